@@ -1,0 +1,253 @@
+"""The async entry points: ``start_processes``, ``spawn`` and ``open_group``."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import Any, Literal, TypeVar, TypeVarTuple, overload
+
+from ._context import AsyncProcessContext
+from ._launch import check_seconds, make_spec
+
+__all__ = ["open_group", "spawn", "start_processes"]
+
+T = TypeVar("T")
+Ts = TypeVarTuple("Ts")
+
+
+@overload
+async def start_processes(
+    fn: Callable[[int, *Ts], T],
+    args: tuple[*Ts] = ...,
+    nprocs: int = 1,
+    join: Literal[True] = True,
+    daemon: bool = False,
+    start_method: str | None = "spawn",
+    *,
+    grace_period: float | None = None,
+) -> list[T]: ...
+
+
+@overload
+async def start_processes(
+    fn: Callable[[int, *Ts], T],
+    args: tuple[*Ts] = ...,
+    nprocs: int = 1,
+    *,
+    join: Literal[False],
+    daemon: bool = False,
+    start_method: str | None = "spawn",
+    grace_period: float | None = None,
+) -> AsyncProcessContext[T]: ...
+
+
+@overload
+async def start_processes(
+    fn: Callable[[int, *Ts], T],
+    args: tuple[*Ts],
+    nprocs: int,
+    join: Literal[False],
+    daemon: bool = False,
+    start_method: str | None = "spawn",
+    *,
+    grace_period: float | None = None,
+) -> AsyncProcessContext[T]: ...
+
+
+async def start_processes(
+    fn: Callable[..., Any],
+    args: Sequence[Any] = (),
+    nprocs: int = 1,
+    join: bool = True,
+    daemon: bool = False,
+    start_method: str | None = "spawn",
+    *,
+    grace_period: float | None = None,
+) -> list[Any] | AsyncProcessContext[Any]:
+    """Start ``nprocs`` processes, each running ``fn(rank, *args)`` for rank 0..nprocs-1.
+
+    The ranks start side by side on worker threads, so N ranks whose start
+    blocks (a large ``args``, a slow import) take about one rank's start time.
+    Each rank leads its own process group, and dies with its process group as
+    soon as the supervising process is gone, even if it was SIGKILLed.
+
+    Args:
+        fn: A function taking the rank first. Under ``spawn`` and
+            ``forkserver`` it must be importable by the rank: a module-level
+            function, not a lambda or a local function.
+        args: Further positional arguments for ``fn``; pickled under ``spawn``
+            and ``forkserver``, which may carry ``multiprocessing`` queues and
+            pipes as usual.
+        nprocs: How many ranks; a positive int, at most what the process and
+            file limits allow (see the README).
+        join: Wait for every rank and return their results (True), or return
+            the :class:`AsyncProcessContext` at once (False).
+        daemon: Start the processes as daemons (they cannot have children).
+        start_method: ``"spawn"``, ``"fork"``, ``"forkserver"``, or ``None``
+            for the platform default.
+        grace_period: The group's default seconds between SIGTERM and SIGKILL
+            during a shutdown, and after a failure, how long the other ranks
+            may first take to exit by themselves. ``None``: no such wait, and
+            30 s between SIGTERM and SIGKILL.
+
+    Returns:
+        With ``join=True``, the list of return values, index = rank; with
+        ``join=False``, the group's :class:`AsyncProcessContext`.
+
+    Raises:
+        ProcessRaisedException: A rank's ``fn`` raised (``join=True``).
+        ProcessExitedException: A rank exited with a non-zero code or was
+            killed by a signal (``join=True``).
+        TypeError: ``fn`` is not callable or cannot be pickled for the start
+            method; ``args`` is not a sequence. Raised before any process starts.
+        ValueError: ``nprocs``, ``start_method`` or ``grace_period`` is invalid.
+            Raised before any process starts.
+        Exception: A rank could not be started (for example ``args`` that
+            cannot be pickled); the ranks already started have been stopped
+            and reaped, and a note names the rank.
+
+    Cancellation:
+        Cancelling the call while ranks start or run shuts every started rank
+        down (SIGTERM, grace period, SIGKILL) and reaps it before the
+        cancellation is re-raised, unchanged. A second cancellation does not
+        cut that short. Nothing is left running.
+    """
+    return await _start_processes(fn, args, nprocs, join, daemon, start_method, grace_period)
+
+
+async def _start_processes(
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    nprocs: int,
+    join: bool,
+    daemon: bool,
+    start_method: str | None,
+    grace_period: float | None,
+) -> list[Any] | AsyncProcessContext[Any]:
+    spec = make_spec(fn, args, nprocs, start_method, daemon)
+    check_seconds("grace_period", grace_period)
+    ctx: AsyncProcessContext[Any] = await AsyncProcessContext._start(spec, grace_period)
+    if not join:
+        return ctx
+    await ctx.join()
+    return ctx.results
+
+
+@overload
+async def spawn(
+    fn: Callable[[int, *Ts], T],
+    args: tuple[*Ts] = ...,
+    nprocs: int = 1,
+    join: Literal[True] = True,
+    daemon: bool = False,
+    start_method: str | None = "spawn",
+    *,
+    grace_period: float | None = None,
+) -> list[T]: ...
+
+
+@overload
+async def spawn(
+    fn: Callable[[int, *Ts], T],
+    args: tuple[*Ts] = ...,
+    nprocs: int = 1,
+    *,
+    join: Literal[False],
+    daemon: bool = False,
+    start_method: str | None = "spawn",
+    grace_period: float | None = None,
+) -> AsyncProcessContext[T]: ...
+
+
+@overload
+async def spawn(
+    fn: Callable[[int, *Ts], T],
+    args: tuple[*Ts],
+    nprocs: int,
+    join: Literal[False],
+    daemon: bool = False,
+    start_method: str | None = "spawn",
+    *,
+    grace_period: float | None = None,
+) -> AsyncProcessContext[T]: ...
+
+
+async def spawn(
+    fn: Callable[..., Any],
+    args: Sequence[Any] = (),
+    nprocs: int = 1,
+    join: bool = True,
+    daemon: bool = False,
+    start_method: str | None = "spawn",
+    *,
+    grace_period: float | None = None,
+) -> list[Any] | AsyncProcessContext[Any]:
+    """:func:`start_processes` with the ``spawn`` start method, always.
+
+    Another ``start_method`` is ignored with a :class:`FutureWarning` naming
+    :func:`start_processes`, as ``torch.multiprocessing.spawn`` does.
+
+    Args, Returns, Raises and Cancellation: as for :func:`start_processes`.
+    """
+    if start_method != "spawn":
+        warn_spawn_only(start_method)
+    return await _start_processes(fn, args, nprocs, join, daemon, "spawn", grace_period)
+
+
+def warn_spawn_only(start_method: str | None) -> None:
+    """Warn, in torch's words, that ``spawn()`` ignores ``start_method``."""
+    warnings.warn(
+        f"This method only supports start_method=spawn (got: {start_method}).\n"
+        "To use a different start_method use:\n\t\t"
+        " aiospawn.start_processes(...)",
+        FutureWarning,
+        stacklevel=3,
+    )
+
+
+@asynccontextmanager
+async def open_group(
+    fn: Callable[..., T],
+    args: Sequence[Any] = (),
+    nprocs: int = 1,
+    *,
+    start_method: str | None = "spawn",
+    daemon: bool = False,
+    grace_period: float | None = None,
+) -> AsyncIterator[AsyncProcessContext[T]]:
+    """Start a group and supervise it for the duration of an ``async with`` block.
+
+    ``async with open_group(fn, args, nprocs) as ctx:`` yields the started
+    group's :class:`AsyncProcessContext`; the block behaves like a task group
+    whose tasks are the ranks:
+
+    * when the block ends normally, the exit waits for every rank, then
+      raises the group's failure if a rank failed (``ctx.results`` holds the
+      return values otherwise);
+    * when the block raises, the ranks are shut down and the block's
+      exception propagates;
+    * when a rank fails while the block runs, the block is cancelled at once,
+      the other ranks are shut down, and the ``async with`` raises the rank's
+      :class:`ProcessRaisedException` or :class:`ProcessExitedException`
+      itself, not wrapped in an ExceptionGroup.
+
+    Args: as for :func:`start_processes`.
+
+    Raises:
+        ProcessRaisedException: A rank's ``fn`` raised.
+        ProcessExitedException: A rank exited with a non-zero code or was
+            killed by a signal.
+        TypeError, ValueError: As for :func:`start_processes`, before any
+            process starts.
+
+    Cancellation:
+        Cancelling the scope that owns the block shuts the ranks down
+        (SIGTERM, grace period, SIGKILL) and reaps them all before the
+        cancellation propagates, unchanged.
+    """
+    spec = make_spec(fn, args, nprocs, start_method, daemon)
+    check_seconds("grace_period", grace_period)
+    ctx: AsyncProcessContext[T] = await AsyncProcessContext._start(spec, grace_period)
+    async with ctx:
+        yield ctx

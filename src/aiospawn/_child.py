@@ -1,0 +1,194 @@
+"""The rank bootstrap: what runs in a rank's process around ``fn(rank, *args)``.
+
+``multiprocessing`` calls :func:`run_rank` in the new process. Before ``fn``
+runs, the rank
+
+1. becomes the leader of its own process group, so that a terminal's Ctrl-C
+   reaches the supervisor, which decides, and so that a shutdown signal also
+   reaches the rank's own children;
+2. gets Python's default signal handling back (a ``fork`` start inherits the
+   supervisor's event-loop handlers, wakeup fd and the starting thread's mask);
+3. starts a guard thread that kills the rank's process group as soon as the
+   supervising process is gone, however it died. It waits on a pidfd of the
+   parent *process*, unlike ``PR_SET_PDEATHSIG``, which fires when the thread
+   that forked the rank exits (prctl(2)) and so cannot be used from worker
+   threads that retire.
+
+Then ``fn`` runs, and its outcome is sent back as one frame (see ``_wire``).
+The exit-code contract, row by row:
+
+=====================================  ================  ==========================
+``fn`` ...                             exit code         the supervisor reports
+=====================================  ================  ==========================
+returns ``value``                      0                 success, result ``value``
+calls ``sys.exit()`` / ``sys.exit(0)`` 0                 success, result ``None``
+calls ``sys.exit(n)``, n != 0          n                 ProcessExitedException
+calls ``sys.exit("text")``             1                 ProcessExitedException
+                                                         with the text
+raises (``KeyboardInterrupt`` too)     1                 ProcessRaisedException
+returns an unpicklable value           1                 ProcessRaisedException
+                                                         saying so
+calls ``os._exit(0)``                  0                 success, result ``None``
+calls ``os._exit(n)``, n != 0          n                 ProcessExitedException
+is killed by a signal                  -signal           ProcessExitedException
+=====================================  ================  ==========================
+
+This module runs before the user's code in every rank, so it imports the
+standard library only, and nothing that the supervisor needs (no anyio,
+no asyncio): a rank costs the interpreter plus the user's own imports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import select
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+from ._wire import Kind, header
+
+
+def run_rank(
+    fn: Callable[..., Any],
+    rank: int,
+    args: tuple[Any, ...],
+    channel: Connection,
+    parent_pid: int | None,
+) -> None:
+    """Run ``fn(rank, *args)`` as rank ``rank`` and report how it ended.
+
+    Args:
+        fn: The user's function.
+        rank: This rank's index.
+        args: The extra positional arguments.
+        channel: Write end of the rank's private result pipe.
+        parent_pid: The supervisor's pid when it is this process's parent
+            (``spawn`` and ``fork``); ``None`` under ``forkserver``, whose
+            server is the parent and exits when the supervisor does.
+    """
+    _become_group_leader()
+    _restore_default_signals()
+    _guard_parent(parent_pid)
+    fd = channel.fileno()
+    try:
+        value = fn(rank, *args)
+    except SystemExit as exc:
+        if exc.code is None or exc.code == 0:
+            _send_value(fd, None)
+            return
+        code = exc.code if isinstance(exc.code, int) else 1
+        text = None if isinstance(exc.code, int) else f"sys.exit({exc.code!r})"
+        _send(fd, Kind.EXITED, pickle.dumps((code, text)))
+        raise  # multiprocessing turns it into the exit code (and prints a text code)
+    except BaseException as exc:
+        _send_exception(fd, exc)
+        raise SystemExit(1) from None
+    _send_value(fd, value)
+
+
+def _become_group_leader() -> None:
+    with contextlib.suppress(OSError):  # already a session or group leader
+        os.setpgid(0, 0)
+
+
+def _restore_default_signals() -> None:
+    # A fork inherits the supervisor's Python handlers and the wakeup fd of its
+    # event loop: a signal in the rank would otherwise run the supervisor's
+    # handlers or write into its loop. A spawn child inherits ignored
+    # dispositions (a background job ignores SIGINT). SIGPIPE stays ignored,
+    # as in any Python program.
+    signal.set_wakeup_fd(-1)
+    for signum in signal.valid_signals():
+        if signum in (signal.SIGKILL, signal.SIGSTOP):
+            continue
+        handler = signal.getsignal(signum)
+        if signum == signal.SIGINT:
+            wanted: Any = signal.default_int_handler
+        elif signum == signal.SIGTERM or callable(handler):
+            wanted = signal.SIG_DFL
+        else:
+            continue
+        if handler is not wanted:
+            signal.signal(signum, wanted)
+    # The mask of the thread that forked us survives fork and exec.
+    signal.pthread_sigmask(signal.SIG_SETMASK, ())
+
+
+def _guard_parent(parent_pid: int | None) -> None:
+    parent = os.getppid()
+    if parent_pid is not None and parent != parent_pid:
+        _kill_own_group()  # the supervisor died while this rank was starting
+    try:
+        parent_fd: int | None = os.pidfd_open(parent)
+    except (AttributeError, OSError):  # no pidfd: not Linux, or Linux < 5.3
+        parent_fd = None
+    if os.getppid() != parent:  # it died between getppid() and pidfd_open()
+        _kill_own_group()
+    threading.Thread(
+        target=_die_with_parent,
+        args=(parent, parent_fd),
+        name="aiospawn-parent-guard",
+        daemon=True,
+    ).start()
+
+
+def _die_with_parent(parent: int, parent_fd: int | None) -> None:
+    if parent_fd is None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+    else:
+        poller = select.poll()
+        poller.register(parent_fd, select.POLLIN)
+        while not poller.poll():  # readable once the parent process has exited
+            pass
+    _kill_own_group()
+
+
+def _kill_own_group() -> None:
+    # The process group holds this rank and the children it started (unless
+    # they moved out); a rank that is not a group leader only kills itself.
+    if os.getpgid(0) == os.getpid():
+        os.killpg(0, signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _send_value(fd: int, value: Any) -> None:
+    try:
+        payload = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        error = TypeError(f"the value returned by the rank cannot be pickled: {exc}")
+        error.__cause__ = exc
+        _send_exception(fd, error)
+        raise SystemExit(1) from None
+    _send(fd, Kind.RETURNED, payload)
+
+
+def _send_exception(fd: int, exc: BaseException) -> None:
+    text = "".join(traceback.format_exception(exc))
+    type_name = f"{type(exc).__module__}.{type(exc).__qualname__}"
+    try:
+        exc_pickle: bytes | None = pickle.dumps(exc, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:
+        exc_pickle = None
+    _send(fd, Kind.RAISED, pickle.dumps((exc_pickle, type_name, text)))
+
+
+def _send(fd: int, kind: Kind, payload: bytes) -> None:
+    try:
+        _write_all(fd, header(kind, len(payload)))
+        _write_all(fd, payload)
+    except OSError:  # the supervisor is gone; the exit code still tells the story
+        pass
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]

@@ -1,0 +1,203 @@
+"""Start methods, argument checks, and concurrent starts of a group's local ranks.
+
+``Process.start()`` can block: under ``spawn`` and ``forkserver`` it writes the
+pickled ``fn`` and ``args`` into a 64 KiB pipe and waits until the child has
+read them, which happens only after the child has imported ``fn``'s module
+(torch issue 133010). So every start runs on a worker thread, and the starts of
+a group run side by side: N ranks take about one rank's start time. ``fork``
+starts go one at a time, since a fork copies the parent and gains nothing
+from company. Each process object exists before its start, and starts are
+never abandoned on cancellation, so no rank can start behind our back.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import resource
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+
+from ._child import run_rank
+from ._outcome import RankExit
+from ._watch import LocalRank
+
+START_METHODS = ("spawn", "fork", "forkserver")
+
+#: Parent-side file descriptors a running rank holds: sentinel, pidfd, result pipe,
+#: plus one while it starts.
+FDS_PER_RANK = 4
+
+#: How many ranks of one group start at the same time.
+START_CONCURRENCY = 32
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LaunchSpec:
+    """What every rank of a group runs, and how its process is made."""
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    nprocs: int
+    start_method: str
+    daemon: bool
+
+
+def make_spec(
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    nprocs: int,
+    start_method: str | None,
+    daemon: bool,
+) -> LaunchSpec:
+    """Check a group's arguments before anything starts, and resolve the start method.
+
+    Raises:
+        TypeError: ``fn`` is not callable, or cannot reach a ``spawn`` or
+            ``forkserver`` child (a lambda, a local function, a function of an
+            interactive ``__main__``); ``args`` is not a sequence.
+        ValueError: ``nprocs`` is not a positive int within :func:`max_nprocs`,
+            or ``start_method`` is unknown.
+    """
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {fn!r}")
+    if isinstance(args, str | bytes) or not isinstance(args, Sequence):
+        raise TypeError(f"args must be a tuple or list of positional arguments, got {args!r}")
+    check_nprocs(nprocs)
+    method = resolve_start_method(start_method)
+    if method != "fork":
+        _check_importable(fn, method)
+    return LaunchSpec(
+        fn=fn, args=tuple(args), nprocs=nprocs, start_method=method, daemon=bool(daemon)
+    )
+
+
+def resolve_start_method(start_method: str | None) -> str:
+    """Return the start method to use; ``None`` means the platform default."""
+    if start_method is None:
+        return multiprocessing.get_context().get_start_method()
+    if start_method not in START_METHODS:
+        raise ValueError(
+            f"start_method must be one of {', '.join(map(repr, START_METHODS))} or None,"
+            f" got {start_method!r}"
+        )
+    return start_method
+
+
+def max_nprocs() -> int:
+    """The largest group this process can hold, from its process and file limits.
+
+    Each rank needs one process (``RLIMIT_NPROC``) and :data:`FDS_PER_RANK`
+    descriptors here (``RLIMIT_NOFILE``, 64 kept for everything else).
+    """
+    nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    nproc = resource.getrlimit(resource.RLIMIT_NPROC)[0]
+    limits = [
+        (nofile - 64) // FDS_PER_RANK if nofile != resource.RLIM_INFINITY else sys.maxsize,
+        nproc if nproc != resource.RLIM_INFINITY else sys.maxsize,
+    ]
+    return max(1, min(limits))
+
+
+def check_nprocs(nprocs: object) -> None:
+    """Raise ValueError unless ``nprocs`` is a positive int this process can hold."""
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
+    limit = max_nprocs()
+    if nprocs > limit:
+        raise ValueError(
+            f"nprocs={nprocs} is more than this process can supervise ({limit}, from"
+            " RLIMIT_NOFILE and RLIMIT_NPROC); raise the limits (ulimit -n, ulimit -u)"
+            " or start fewer ranks"
+        )
+
+
+def check_seconds(name: str, value: object, *, allow_none: bool = True) -> None:
+    """Raise ValueError unless ``value`` is a non-negative number of seconds (or None)."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        raise ValueError(f"{name} must be a non-negative number of seconds or None, got {value!r}")
+
+
+def _check_importable(fn: Callable[..., Any], method: str) -> None:
+    module = getattr(fn, "__module__", None)
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    if module == "__main__" and main_file is None:
+        raise TypeError(
+            f"fn {fn!r} is defined in an interactive __main__, which a {method!r} rank"
+            " cannot import; move it to a module, or use start_method='fork'"
+        )
+    try:
+        pickle.dumps(fn)
+    except Exception as exc:
+        raise TypeError(
+            f"fn {fn!r} cannot be pickled, so a {method!r} rank cannot receive it ({exc});"
+            " define it at the top level of a module, or use start_method='fork'"
+        ) from exc
+
+
+def make_ranks(spec: LaunchSpec, on_exit: Callable[[RankExit], None]) -> list[LocalRank]:
+    """Create (without starting) one :class:`LocalRank` per rank of ``spec``."""
+    # typeshed gives get_context(str) the BaseContext type, which lacks Process.
+    context: Any = multiprocessing.get_context(spec.start_method)
+    parent_pid = None if spec.start_method == "forkserver" else os.getpid()
+    ranks = []
+    for index in range(spec.nprocs):
+        reader, writer = context.Pipe(duplex=False)
+        process = context.Process(
+            target=run_rank,
+            args=(spec.fn, index, spec.args, writer, parent_pid),
+            daemon=spec.daemon,
+            name=f"aiospawn-rank-{index}",
+        )
+        ranks.append(
+            LocalRank(
+                index,
+                process,
+                reader,
+                writer,
+                exit_via_sentinel=spec.start_method == "forkserver",
+                on_exit=on_exit,
+            )
+        )
+    return ranks
+
+
+async def start_ranks(ranks: Sequence[LocalRank], start_method: str) -> None:
+    """Start ``ranks`` side by side; return once every start has finished.
+
+    Ranks whose start did not happen (an error, or a cancellation before their
+    turn) have their pipes released. On cancellation, starts already under way
+    finish first (threads are never abandoned), then the cancellation is raised.
+
+    Raises:
+        Exception: The start error of the lowest failing rank, with a note naming it.
+    """
+    limiter = anyio.CapacityLimiter(1 if start_method == "fork" else START_CONCURRENCY)
+    errors: dict[int, Exception] = {}
+
+    async def start_one(rank: LocalRank) -> None:
+        try:
+            await anyio.to_thread.run_sync(rank.start, limiter=limiter)
+        except Exception as exc:
+            errors[rank.rank] = exc
+
+    try:
+        async with anyio.create_task_group() as tg:
+            for rank in ranks:
+                tg.start_soon(start_one, rank)
+    finally:
+        for rank in ranks:
+            if not rank.started:
+                rank.discard()
+    if errors:
+        first = min(errors)
+        error = errors[first]
+        error.add_note(f"aiospawn: raised while starting rank {first} of {len(ranks)}")
+        raise error

@@ -1,0 +1,86 @@
+"""How one rank ended, and the exception that reports it."""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+from ._errors import (
+    ProcessException,
+    ProcessExitedException,
+    ProcessRaisedException,
+    RemoteTraceback,
+    describe_exit,
+    exited_message,
+    raised_message,
+    signal_name,
+)
+from ._wire import Kind
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankExit:
+    """The end of one rank's process, as observed by its watcher.
+
+    Attributes:
+        rank: The rank's index.
+        pid: The pid it had.
+        exit_code: As ``multiprocessing`` reports it: negative for a signal.
+        frame: The ``(kind, payload)`` the rank sent, if it sent a whole one.
+        stopped_by_us: True when aiospawn had signalled the rank to stop, so
+            that its death is a consequence of a shutdown, never a root cause.
+    """
+
+    rank: int
+    pid: int
+    exit_code: int
+    frame: tuple[Kind, bytes] | None
+    stopped_by_us: bool
+
+    @property
+    def succeeded(self) -> bool:
+        """True if ``fn`` finished normally and the process exited with 0."""
+        return self.exit_code == 0 and (self.frame is None or self.frame[0] == Kind.RETURNED)
+
+    def value(self) -> Any:
+        """Unpickle the value ``fn`` returned (``None`` if it exited without one)."""
+        if self.frame is None or self.frame[0] != Kind.RETURNED:
+            return None
+        return pickle.loads(self.frame[1])
+
+    def describe(self) -> str:
+        """One line for logs and reprs: ``rank 2 (pid 4242) SIGKILL (-9)``."""
+        return f"rank {self.rank} (pid {self.pid}) {describe_exit(self.exit_code)}"
+
+    def exception(self) -> ProcessException:
+        """Build a fresh exception reporting this (unsuccessful) exit.
+
+        A fresh instance each time lets ``join()`` raise an equal exception on
+        every call without piling tracebacks onto one object.
+        """
+        if self.frame is not None and self.frame[0] == Kind.RAISED:
+            exc_pickle, type_name, text = pickle.loads(self.frame[1])
+            error = ProcessRaisedException(raised_message(self.rank, text), self.rank, self.pid)
+            error.__cause__ = _rebuild(exc_pickle, type_name, text)
+            return error
+        detail = None
+        if self.frame is not None and self.frame[0] == Kind.EXITED:
+            _code, detail = pickle.loads(self.frame[1])
+        message = exited_message(
+            self.rank, self.exit_code, detail=detail, killed_by_us=self.stopped_by_us
+        )
+        name = signal_name(self.exit_code) if self.exit_code < 0 else None
+        return ProcessExitedException(message, self.rank, self.pid, self.exit_code, name)
+
+
+def _rebuild(exc_pickle: bytes | None, type_name: str, text: str) -> BaseException:
+    if exc_pickle is not None:
+        try:
+            exc = pickle.loads(exc_pickle)
+        except Exception:
+            pass
+        else:
+            if isinstance(exc, BaseException):
+                return exc
+    return RemoteTraceback(type_name, text)

@@ -1,0 +1,88 @@
+"""Shutdown escalation: optional grace wait, SIGTERM, grace wait, SIGKILL, bounded reap.
+
+Every live rank is signalled at once, so the grace periods overlap: N ranks
+that ignore SIGTERM cost one grace period, not N. The caller runs this shielded
+(see ``_shield``); it never waits without a bound.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from collections.abc import Sequence
+
+import anyio
+
+from ._watch import LocalRank
+
+logger = logging.getLogger("aiospawn")
+
+#: Seconds between SIGTERM and SIGKILL when no ``grace_period`` is given, as in
+#: ``torch.multiprocessing`` and torchrun.
+DEFAULT_GRACE_PERIOD = 30.0
+
+#: Seconds to wait for the kernel to reap ranks after SIGKILL. A rank still
+#: there after that is stuck in uninterruptible sleep (state D) and is reported.
+REAP_TIMEOUT = 5.0
+
+
+async def shut_down(
+    ranks: Sequence[LocalRank],
+    *,
+    grace_period: float | None,
+    wait_first: bool,
+    reap_timeout: float = REAP_TIMEOUT,
+) -> list[LocalRank]:
+    """Stop every rank that is still running, politely first.
+
+    Args:
+        ranks: The group's started ranks; those that already exited are skipped.
+        grace_period: Seconds from SIGTERM to SIGKILL; ``None`` means
+            :data:`DEFAULT_GRACE_PERIOD`.
+        wait_first: After a rank failed: when ``grace_period`` is set, first
+            give the others that long to exit by themselves, as torch does.
+        reap_timeout: Seconds to wait for the reaping after SIGKILL.
+
+    Returns:
+        The ranks that could not be reaped (stuck in the kernel), already logged.
+    """
+    if wait_first and grace_period is not None:
+        with anyio.move_on_after(grace_period):
+            await _wait_for_exits(ranks)
+    live = [rank for rank in ranks if rank.poll() is None]
+    for rank in live:
+        if rank.send_signal(signal.SIGTERM):
+            logger.warning(
+                "Terminating process %s via signal SIGTERM (rank %d)", rank.pid, rank.rank
+            )
+    term_wait = DEFAULT_GRACE_PERIOD if grace_period is None else grace_period
+    with anyio.move_on_after(term_wait):
+        await _wait_for_exits(live)
+    live = [rank for rank in live if rank.poll() is None]
+    for rank in live:
+        if rank.send_signal(signal.SIGKILL):
+            logger.warning(
+                "Process %s (rank %d) still running %g s after SIGTERM; sending SIGKILL",
+                rank.pid,
+                rank.rank,
+                term_wait,
+            )
+    with anyio.move_on_after(reap_timeout):
+        await _wait_for_exits(live)
+    stuck = [rank for rank in live if rank.poll() is None]
+    for rank in stuck:
+        logger.error(
+            "Process %s (rank %d) did not exit %g s after SIGKILL; it is probably in"
+            " uninterruptible sleep (state D), waiting on the kernel or a device",
+            rank.pid,
+            rank.rank,
+            reap_timeout,
+        )
+    return stuck
+
+
+async def _wait_for_exits(ranks: Sequence[LocalRank]) -> None:
+    async with anyio.create_task_group() as tg:
+        for rank in ranks:
+            if rank.poll() is None:
+                tg.start_soon(rank.wait)

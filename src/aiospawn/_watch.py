@@ -1,0 +1,230 @@
+"""Exit detection for one local rank: readiness-driven, one watcher, exact exit codes.
+
+A :class:`LocalRank` owns everything the supervisor holds for one rank's
+process: the ``multiprocessing`` process object, a pidfd, and the read end of
+the rank's result pipe. Its watcher waits, on the event loop, for two things
+at once: the result frame (read as it arrives, so a large result never blocks
+the rank in ``write``) and the process's exit (the pidfd, or for
+``forkserver`` the sentinel, becoming readable). Then it reaps the process
+and records a :class:`~aiospawn._outcome.RankExit`.
+
+Only one task at a time waits on a rank's fds (a second waiter would get
+``BusyResourceError``): :meth:`LocalRank.wait` lets the first caller watch and
+makes the others wait on an event; if the watcher is cancelled, one of them
+takes over where it stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing.process
+import os
+import signal
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+
+import anyio
+
+from ._outcome import RankExit
+from ._wire import FrameReader
+
+_READ_CHUNK = 256 * 1024
+
+
+class LocalRank:
+    """One rank running in a local process, from start to reaping.
+
+    Args:
+        rank: The rank's index.
+        process: The (not yet started) process that will run it.
+        reader: Read end of the rank's result pipe.
+        writer: Write end, handed to the process and closed here once it started.
+        exit_via_sentinel: Wait on the process sentinel rather than a pidfd.
+            Under ``forkserver`` the server reaps the rank and sends the exit
+            status through the sentinel, so a pidfd would wake us before the
+            status can be read.
+        on_exit: Called once, on the event-loop thread, with the rank's exit.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        process: BaseProcess,
+        reader: Connection,
+        writer: Connection,
+        *,
+        exit_via_sentinel: bool,
+        on_exit: Callable[[RankExit], None],
+    ) -> None:
+        self.rank = rank
+        self.process = process
+        self._reader = reader
+        self._writer: Connection | None = writer
+        self._exit_via_sentinel = exit_via_sentinel
+        self._on_exit = on_exit
+        self._frame = FrameReader()
+        self._result_eof = False
+        self._pidfd: int | None = None
+        self._exit_fd = -1
+        self._started = False
+        self._stopped_by_us = False
+        self._exit: RankExit | None = None
+        self._watcher_done: anyio.Event | None = None
+
+    @property
+    def started(self) -> bool:
+        """True once the process has been started."""
+        return self._started
+
+    @property
+    def pid(self) -> int | None:
+        """The process id, once started."""
+        return self.process.pid
+
+    @property
+    def exit(self) -> RankExit | None:
+        """How the rank ended, once it has been reaped."""
+        return self._exit
+
+    def start(self) -> None:
+        """Start the process. Blocking: call it from a worker thread.
+
+        ``Process.start()`` can block until the child has read its arguments
+        (the pipe holds 64 KiB), which is why starts run on threads.
+        """
+        try:
+            self.process.start()
+        finally:
+            assert self._writer is not None
+            self._writer.close()  # the rank holds its own copy now
+            self._writer = None
+        # cpython#148318: Process.start() on any thread reaps whichever of the
+        # children it knows of have exited; two threads reaping one child can
+        # lose its exit code. This rank is reaped by its watcher alone.
+        multiprocessing.process._children.discard(self.process)  # type: ignore[attr-defined]
+        pid = self.process.pid
+        assert pid is not None
+        with contextlib.suppress(AttributeError, OSError):  # no pidfd: not Linux, or old
+            self._pidfd = os.pidfd_open(pid)
+        if self._pidfd is not None and not self._exit_via_sentinel:
+            self._exit_fd = self._pidfd
+        else:
+            self._exit_fd = self.process.sentinel
+        os.set_blocking(self._reader.fileno(), False)
+        self._started = True
+
+    def discard(self) -> None:
+        """Release the pipes of a rank whose start failed."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        self._reader.close()
+
+    def poll(self) -> RankExit | None:
+        """Make progress without waiting: read what the rank sent, reap it if it exited."""
+        if self._exit is None and self._started:
+            self._read_available()
+            exit_code = self.process.exitcode
+            if exit_code is not None:
+                self._read_available()  # the end of the frame, written just before exit
+                self._finish(exit_code)
+        return self._exit
+
+    async def wait(self) -> RankExit:
+        """Wait until the rank has exited and been reaped; return how it ended."""
+        while self._exit is None:
+            if self._watcher_done is not None:
+                await self._watcher_done.wait()
+                continue
+            self._watcher_done = done = anyio.Event()
+            try:
+                await self._watch()
+            finally:
+                self._watcher_done = None
+                done.set()
+        await anyio.lowlevel.checkpoint()
+        return self._exit
+
+    def send_signal(self, signum: int) -> bool:
+        """Signal the rank and its process group, unless it has already exited.
+
+        The rank is marked as stopped by us, so its death is never reported as
+        the group's root cause. A rank that has exited is never signalled:
+        once reaped, its pid may belong to another process.
+
+        Returns:
+            True if the signal was sent.
+        """
+        if not self._started or self.poll() is not None:
+            return False
+        self._stopped_by_us = True
+        pid = self.process.pid
+        assert pid is not None
+        try:
+            # The rank leads its own process group (see _child), which holds
+            # the children it started too. The group cannot belong to anyone
+            # else: the rank is not reaped, so nobody else has its pid.
+            os.killpg(pid, signum)
+        except ProcessLookupError:  # not a group leader yet: it is still starting
+            with contextlib.suppress(ProcessLookupError):
+                if self._pidfd is not None:
+                    signal.pidfd_send_signal(self._pidfd, signum)
+                else:
+                    os.kill(pid, signum)
+        return True
+
+    async def _watch(self) -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._read_until_complete)
+            with contextlib.suppress(anyio.ClosedResourceError):
+                await anyio.wait_readable(self._exit_fd)
+            tg.cancel_scope.cancel()
+        while self.poll() is None:
+            # Readable, yet no exit status. A plain sentinel becomes readable a
+            # moment before the child can be reaped; with a pidfd, another
+            # thread polling the same Process (is_alive()) may be midway
+            # through reaping it. Either way the status is due within moments.
+            await anyio.to_thread.run_sync(self.process.join, 0.1)
+
+    async def _read_until_complete(self) -> None:
+        fd = self._reader.fileno()
+        while self._exit is None and not (self._frame.complete or self._result_eof):
+            try:
+                await anyio.wait_readable(fd)
+            except anyio.ClosedResourceError:
+                return
+            self._read_available()
+
+    def _read_available(self) -> None:
+        if self._reader.closed:
+            return
+        fd = self._reader.fileno()
+        while not (self._frame.complete or self._result_eof):
+            try:
+                data = os.read(fd, min(self._frame.wanted, _READ_CHUNK))
+            except BlockingIOError:
+                return
+            if not data:
+                self._result_eof = True
+            self._frame.feed(data)
+
+    def _finish(self, exit_code: int) -> None:
+        pid = self.process.pid
+        assert pid is not None
+        self._exit = RankExit(
+            rank=self.rank,
+            pid=pid,
+            exit_code=exit_code,
+            frame=self._frame.frame(),
+            stopped_by_us=self._stopped_by_us,
+        )
+        # Wake our own waiters before closing what they wait on; closing a
+        # watched fd without notify_closing() leaves its waiter hanging.
+        anyio.notify_closing(self._reader.fileno())
+        self._reader.close()
+        if self._pidfd is not None:
+            anyio.notify_closing(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = None
+        self._on_exit(self._exit)
