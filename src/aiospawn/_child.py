@@ -88,6 +88,9 @@ def run_rank(
         _send(fd, Kind.EXITED, pickle.dumps((code, text)))
         raise  # multiprocessing turns it into the exit code (and prints a text code)
     except BaseException as exc:
+        # The traceback starts in fn: this bootstrap frame is not the user's.
+        if exc.__traceback__ is not None and exc.__traceback__.tb_next is not None:
+            exc = exc.with_traceback(exc.__traceback__.tb_next)
         _send_exception(fd, exc)
         raise SystemExit(1) from None
     _send_value(fd, value)

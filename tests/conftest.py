@@ -1,0 +1,85 @@
+"""Shared fixtures: both anyio backends, and leak checks around every test.
+
+Every test is checked for what it leaves behind: child processes (zombies
+included), pipes and pidfds, and entries in the temp dir. Whatever the
+interpreter sets up once per process (the forkserver, multiprocessing's temp
+dir) is started before the first baseline is taken.
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import multiprocessing.forkserver
+import multiprocessing.util
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+
+import psutil
+import pytest
+
+
+@pytest.fixture(
+    params=[
+        pytest.param("asyncio", id="asyncio"),
+        pytest.param("trio", id="trio"),
+    ]
+)
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _process_wide_setup() -> None:
+    # Made once per interpreter and kept until exit: not a leak of any test.
+    multiprocessing.util.get_temp_dir()
+    multiprocessing.forkserver.ensure_running()
+
+
+def open_fds() -> set[str]:
+    """Descriptors of the kinds aiospawn opens: pipes and pidfds, as fd:target."""
+    fds = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:  # the listing's own fd, closed meanwhile
+            continue
+        if target.startswith("pipe:") or target == "anon_inode:[pidfd]":
+            fds.add(f"{name}:{target}")
+    return fds
+
+
+def live_children() -> set[int]:
+    """Pids of this process's descendants, zombies included."""
+    return {child.pid for child in psutil.Process().children(recursive=True)}
+
+
+def wait_until(predicate: object, seconds: float = 5.0) -> bool:
+    """Retry ``predicate()`` briefly: the kernel finishes some exits a moment later."""
+    assert callable(predicate)
+    deadline = time.monotonic() + seconds
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+
+
+@pytest.fixture(autouse=True)
+def no_leaks() -> Iterator[None]:
+    """Fail the test if it leaves a child, a pipe or pidfd, or a temp file behind."""
+    gc.collect()
+    children = live_children()
+    fds = open_fds()
+    temp = set(os.listdir(tempfile.gettempdir()))
+    yield
+    gc.collect()
+    assert wait_until(lambda: live_children() <= children), (
+        f"processes left behind: {sorted(live_children() - children)}"
+    )
+    assert wait_until(lambda: open_fds() <= fds), f"fds left open: {sorted(open_fds() - fds)}"
+    left = set(os.listdir(tempfile.gettempdir())) - temp
+    assert not left, f"temp files left behind: {sorted(left)}"
