@@ -13,6 +13,7 @@ import multiprocessing
 import multiprocessing.forkserver
 import multiprocessing.util
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Iterator
@@ -32,10 +33,26 @@ def anyio_backend(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _process_wide_setup() -> None:
+def _process_wide_setup() -> Iterator[None]:
+    # A temp dir of our own, so that the temp-file check sees only what this
+    # test run and its ranks write, whatever else runs on the machine.
+    private = tempfile.mkdtemp(prefix="aiospawn-tests-")
+    # Removed at interpreter exit, after multiprocessing has removed its own
+    # temp dir inside it (exit priority -100; lower runs later).
+    multiprocessing.util.Finalize(
+        None, shutil.rmtree, args=(private,), kwargs={"ignore_errors": True}, exitpriority=-200
+    )
+    saved = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"] = tempfile.tempdir = private
     # Made once per interpreter and kept until exit: not a leak of any test.
     multiprocessing.util.get_temp_dir()
     multiprocessing.forkserver.ensure_running()
+    yield
+    if saved[0] is None:
+        del os.environ["TMPDIR"]
+    else:
+        os.environ["TMPDIR"] = saved[0]
+    tempfile.tempdir = saved[1]
 
 
 def open_fds() -> set[str]:

@@ -55,3 +55,304 @@ def report_ready(rank: int, ready: Any) -> None:
     """Tell the test this rank is running, then sleep until stopped."""
     ready.put((rank, os.getpid()))
     sleep_forever(rank)
+
+
+# Ranks for test_api, test_context, test_shutdown and test_asyncio_native (prefix api_).
+# ``events`` is the write end of a multiprocessing Pipe the test reads; ``release``
+# and ``failed`` are multiprocessing Events of the group's start method.
+
+
+def api_wait_for(rank: int, release: Any, factor: int = 1) -> int:
+    """Return ``rank * factor`` once the test sets ``release``."""
+    release.wait()
+    return rank * factor
+
+
+def api_record_sigterm(rank: int, events: Any, ignore_sigterm: bool = False) -> None:
+    """Send ``("ready", rank, pid)``, then sleep; send ``("SIGTERM", rank)`` on each SIGTERM.
+
+    After reporting a SIGTERM the rank dies of it, as it would have without
+    a handler, or with ``ignore_sigterm`` keeps sleeping.
+    """
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        events.send(("SIGTERM", rank))
+        if not ignore_sigterm:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    events.send(("ready", rank, os.getpid()))
+    sleep_forever(rank)
+
+
+def api_fail_on_release(
+    rank: int,
+    failing: int,
+    release: Any,
+    events: Any,
+    ignore_sigterm: bool = False,
+    exit_code: int | None = None,
+) -> None:
+    """Rank ``failing`` fails once ``release`` is set; the others run :func:`api_record_sigterm`.
+
+    It raises ValueError, or with ``exit_code`` calls ``sys.exit(exit_code)``.
+    """
+    if rank != failing:
+        api_record_sigterm(rank, events, ignore_sigterm)
+    release.wait()
+    if exit_code is not None:
+        sys.exit(exit_code)
+    raise ValueError(f"rank {rank} failed on purpose")
+
+
+def api_fail_or_follow(rank: int, failing: int, failed: Any) -> int:
+    """Rank ``failing`` raises; the others notice, wind down for a moment, and return."""
+    if rank == failing:
+        failed.set()
+        raise ValueError(f"rank {rank} failed on purpose")
+    failed.wait()
+    time.sleep(0.3)  # winding down, as a rank does after losing a peer
+    return rank
+
+
+class ApiHeldArg:
+    """An argument that, unpickled in a rank, sends ``("unpickling", pid)`` and waits.
+
+    It waits for ``release``. Put before more than a pipe buffer (64 KiB) of
+    other arguments, it keeps the parent's ``Process.start()`` blocked, so the
+    start stays in flight until the test sets ``release``. It arrives in the rank as ``None``.
+    """
+
+    def __init__(self, events: Any, release: Any) -> None:
+        self.events = events
+        self.release = release
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _api_hold_start, (self.events, self.release)
+
+
+def _api_hold_start(events: Any, release: Any) -> None:
+    events.send(("unpickling", os.getpid()))
+    release.wait()
+
+
+def api_return_rank(rank: int, *ignored: Any) -> int:
+    return rank
+
+
+def api_sleep_with(rank: int, *ignored: Any) -> None:
+    sleep_forever(rank)
+
+
+# Ranks for test_child, test_watch and test_launch (prefixes crash_, watch_, launch_).
+# ``events`` is the write end of a multiprocessing Pipe the test reads.
+
+
+class CrashLockedError(Exception):
+    """An exception that cannot be pickled in the rank: it holds a lock."""
+
+    def __init__(self, message: str) -> None:
+        import threading
+
+        super().__init__(message)
+        self.lock = threading.Lock()
+
+
+class CrashNeedsTwoArgsError(Exception):
+    """Pickles in the rank but not back: ``__init__`` needs more than ``args`` holds."""
+
+    def __init__(self, shard: int, reason: str) -> None:
+        super().__init__(f"shard {shard}: {reason}")
+        self.shard = shard
+        self.reason = reason
+
+
+def crash_row(rank: int, behaviour: str, failing: int | None) -> Any:
+    """Do ``behaviour`` (a row of the crash matrix in test_child); ranks other than
+    ``failing`` sleep until stopped. ``failing=None``: every rank does it."""
+    if failing is not None and rank != failing:
+        sleep_forever(rank)
+    if behaviour == "return":
+        return ("value", rank)
+    if behaviour == "sys.exit()":
+        sys.exit()
+    if behaviour == "sys.exit(0)":
+        sys.exit(0)
+    if behaviour == "os._exit(0)":
+        os._exit(0)
+    if behaviour == "sys.exit(3)":
+        sys.exit(3)
+    if behaviour == "sys.exit(text)":
+        sys.exit("crash text")
+    if behaviour == "os._exit(7)":
+        os._exit(7)
+    if behaviour == "segfault":
+        import faulthandler
+        import resource
+
+        faulthandler.disable()  # no traceback dump: the exit status is the point
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # and no core file
+        faulthandler._sigsegv()
+    if behaviour in ("SIGKILL", "SIGTERM"):
+        os.kill(os.getpid(), signal.Signals[behaviour])
+        time.sleep(60)
+    if behaviour == "KeyboardInterrupt":
+        raise KeyboardInterrupt
+    if behaviour == "raise ValueError":
+        raise ValueError(f"bad shard {rank}")
+    if behaviour == "return lock":
+        import threading
+
+        return threading.Lock()
+    if behaviour == "return lambda":
+        return lambda: rank
+    if behaviour == "raise unpicklable":
+        raise CrashLockedError(f"locked shard {rank}")
+    if behaviour == "raise unloadable":
+        raise CrashNeedsTwoArgsError(rank, "torn")
+    raise AssertionError(f"unknown crash row {behaviour!r}")
+
+
+def crash_report_group(rank: int, events: Any) -> None:
+    """Send ``(rank, pid, process group id)``, then sleep until stopped."""
+    events.send((rank, os.getpid(), os.getpgid(0)))
+    sleep_forever(rank)
+
+
+def crash_report_signals(rank: int, events: Any) -> None:
+    """Send how signals are set up in this rank, then return."""
+    events.send(
+        {
+            "SIGINT": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+            "SIGTERM": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+            "SIGUSR1": signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL,
+            "SIGPIPE": signal.getsignal(signal.SIGPIPE) == signal.SIG_IGN,
+            "mask": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, ())),
+            "wakeup_fd": signal.set_wakeup_fd(-1),
+        }
+    )
+
+
+def watch_fork_grandchild(rank: int, events: Any, supervisor: int, outcome: str) -> str:
+    """Fork a grandchild that holds every inherited fd for 30 s, then return or exit.
+
+    The grandchild sends nothing; it ends after 30 s, when ``supervisor`` (the
+    test process) is gone, or when the test kills it. The rank sends its pid.
+    """
+    import select
+
+    grandchild = os.fork()
+    if grandchild == 0:
+        try:
+            poller = select.poll()
+            poller.register(os.pidfd_open(supervisor), select.POLLIN)
+            poller.poll(30_000)
+        finally:
+            os._exit(0)
+    events.send(grandchild)
+    if outcome == "exit":
+        os._exit(5)
+    return "returned"
+
+
+def watch_big_result(rank: int, size: int) -> bytes:
+    return bytes(range(256)) * (size // 256)
+
+
+def watch_exit_by_rank(rank: int) -> None:
+    os._exit(rank % 7 + 1)
+
+
+def launch_ping(rank: int, conns: Any) -> None:
+    """Send ``("ready", pid, parent-death signal)`` on ``conns[rank]``, answer one ping, sleep."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    pdeathsig = ctypes.c_int(-1)
+    libc.prctl(2, ctypes.byref(pdeathsig), 0, 0, 0)  # PR_GET_PDEATHSIG
+    conn = conns[rank]
+    conn.send(("ready", os.getpid(), pdeathsig.value))
+    conn.send(("pong", conn.recv()))
+    sleep_forever(rank)
+
+
+def launch_report_ready(rank: int, events: Any) -> None:
+    """Send ``(rank, pid)``, then sleep until stopped."""
+    events.send((rank, os.getpid()))
+    sleep_forever(rank)
+
+
+# --- reliability suite (test_reliability.py, test_parent_death.py, test_state_machine.py) ---
+
+
+def rel_ready_sleep(rank: int, conn: Any) -> None:
+    """Send ``("ready", rank, pid)`` on ``conn``, then sleep until stopped."""
+    conn.send(("ready", rank, os.getpid()))
+    sleep_forever(rank)
+
+
+def rel_notice_term(rank: int, conn: Any) -> None:
+    """Survive SIGTERM, sending ``("term", rank, pid)`` for each; report ready, sleep."""
+
+    def on_term(signum: int, frame: Any) -> None:
+        conn.send(("term", rank, os.getpid()))
+
+    signal.signal(signal.SIGTERM, on_term)
+    conn.send(("ready", rank, os.getpid()))
+    sleep_forever(rank)
+
+
+def rel_family(rank: int, conn: Any, ignore_term_int: bool) -> None:
+    """Start two grandchildren in this rank's process group, report all pids, sleep.
+
+    One grandchild is a plain ``os.fork`` (it inherits every fd, the result pipe
+    included), the other a ``subprocess.Popen`` without a new session. With
+    ``ignore_term_int`` the rank (and so both grandchildren) ignore SIGTERM and
+    SIGINT: only SIGKILL can stop them.
+    """
+    import subprocess
+
+    if ignore_term_int:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    forked = os.fork()
+    if forked == 0:
+        try:
+            while True:
+                time.sleep(3600)
+        finally:
+            os._exit(0)
+    popen = subprocess.Popen(
+        [sys.executable, "-c", "import time\nwhile True: time.sleep(3600)"],
+        stdin=subprocess.DEVNULL,
+    )
+    conn.send({"rank": rank, "pid": os.getpid(), "grandchildren": [forked, popen.pid]})
+    sleep_forever(rank)
+
+
+def rel_obey(rank: int, commands: Any) -> Any:
+    """Wait for one command on ``commands[rank]`` and do it.
+
+    ``("return", value)`` returns ``value``; ``("exit", n)`` calls ``sys.exit(n)``;
+    ``("raise", text)`` raises ``ValueError(text)``.
+    """
+    what, arg = commands[rank].recv()
+    if what == "return":
+        return arg
+    if what == "exit":
+        sys.exit(arg)
+    raise ValueError(arg)
+
+
+def rel_len(rank: int, data: bytes) -> int:
+    return len(data)
+
+
+def rel_fail_or_sleep(rank: int, failing: int, conn: Any = None) -> None:
+    """Rank ``failing`` raises at once; the others report ready (if asked) and sleep."""
+    if rank == failing:
+        raise RuntimeError(f"rel: rank {rank} fails on purpose")
+    if conn is not None:
+        conn.send(("ready", rank, os.getpid()))
+    sleep_forever(rank)

@@ -10,9 +10,9 @@ runs, the rank
    supervisor's event-loop handlers, wakeup fd and the starting thread's mask);
 3. starts a guard thread that kills the rank's process group as soon as the
    supervising process is gone, however it died. It waits on a pidfd of the
-   parent *process*, unlike ``PR_SET_PDEATHSIG``, which fires when the thread
-   that forked the rank exits (prctl(2)) and so cannot be used from worker
-   threads that retire.
+   supervising *process*, unlike ``PR_SET_PDEATHSIG``, which fires when the
+   thread that forked the rank exits (prctl(2)) and so cannot be used from
+   worker threads that retire.
 
 Then ``fn`` runs, and its outcome is sent back as one frame (see ``_wire``).
 The exit-code contract, row by row:
@@ -60,7 +60,8 @@ def run_rank(
     rank: int,
     args: tuple[Any, ...],
     channel: Connection,
-    parent_pid: int | None,
+    supervisor_pid: int,
+    supervisor_is_parent: bool,
 ) -> None:
     """Run ``fn(rank, *args)`` as rank ``rank`` and report how it ended.
 
@@ -69,13 +70,13 @@ def run_rank(
         rank: This rank's index.
         args: The extra positional arguments.
         channel: Write end of the rank's private result pipe.
-        parent_pid: The supervisor's pid when it is this process's parent
-            (``spawn`` and ``fork``); ``None`` under ``forkserver``, whose
-            server is the parent and exits when the supervisor does.
+        supervisor_pid: The supervising process, whose death kills this rank.
+        supervisor_is_parent: True under ``spawn`` and ``fork``; under
+            ``forkserver`` the fork server is the parent.
     """
     _become_group_leader()
     _restore_default_signals()
-    _guard_parent(parent_pid)
+    _guard_supervisor(supervisor_pid, supervisor_is_parent)
     fd = channel.fileno()
     try:
         value = fn(rank, *args)
@@ -124,34 +125,48 @@ def _restore_default_signals() -> None:
     signal.pthread_sigmask(signal.SIG_SETMASK, ())
 
 
-def _guard_parent(parent_pid: int | None) -> None:
-    parent = os.getppid()
-    if parent_pid is not None and parent != parent_pid:
-        _kill_own_group()  # the supervisor died while this rank was starting
+def _guard_supervisor(supervisor_pid: int, supervisor_is_parent: bool) -> None:
+    # Watch the supervisor itself, not our parent: under forkserver the parent
+    # is the fork server, which cannot exit while its children hold its
+    # "alive" pipe, so waiting for it would keep both alive forever.
+    if supervisor_is_parent and os.getppid() != supervisor_pid:
+        _kill_own_group()  # it died while this rank was starting
     try:
-        parent_fd: int | None = os.pidfd_open(parent)
-    except (AttributeError, OSError):  # no pidfd: not Linux, or Linux < 5.3
-        parent_fd = None
-    if os.getppid() != parent:  # it died between getppid() and pidfd_open()
+        supervisor_fd: int | None = os.pidfd_open(supervisor_pid)
+    except ProcessLookupError:
         _kill_own_group()
+    except (AttributeError, OSError):  # no pidfd: not Linux, or Linux < 5.3
+        supervisor_fd = None
+    if supervisor_is_parent and os.getppid() != supervisor_pid:
+        _kill_own_group()  # it died before pidfd_open(): the pid may be reused
     threading.Thread(
-        target=_die_with_parent,
-        args=(parent, parent_fd),
-        name="aiospawn-parent-guard",
+        target=_die_with_supervisor,
+        args=(supervisor_pid, supervisor_fd),
+        name="aiospawn-supervisor-guard",
         daemon=True,
     ).start()
 
 
-def _die_with_parent(parent: int, parent_fd: int | None) -> None:
-    if parent_fd is None:
-        while os.getppid() == parent:
+def _die_with_supervisor(supervisor_pid: int, supervisor_fd: int | None) -> None:
+    if supervisor_fd is None:
+        while _exists(supervisor_pid):
             time.sleep(0.5)
     else:
         poller = select.poll()
-        poller.register(parent_fd, select.POLLIN)
-        while not poller.poll():  # readable once the parent process has exited
+        poller.register(supervisor_fd, select.POLLIN)
+        while not poller.poll():  # readable once the supervisor process has exited
             pass
     _kill_own_group()
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _kill_own_group() -> None:

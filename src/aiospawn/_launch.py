@@ -146,13 +146,13 @@ def make_ranks(spec: LaunchSpec, on_exit: Callable[[RankExit], None]) -> list[Lo
     """Create (without starting) one :class:`LocalRank` per rank of ``spec``."""
     # typeshed gives get_context(str) the BaseContext type, which lacks Process.
     context: Any = multiprocessing.get_context(spec.start_method)
-    parent_pid = None if spec.start_method == "forkserver" else os.getpid()
+    supervisor_is_parent = spec.start_method != "forkserver"
     ranks = []
     for index in range(spec.nprocs):
         reader, writer = context.Pipe(duplex=False)
         process = context.Process(
             target=run_rank,
-            args=(spec.fn, index, spec.args, writer, parent_pid),
+            args=(spec.fn, index, spec.args, writer, os.getpid(), supervisor_is_parent),
             daemon=spec.daemon,
             name=f"aiospawn-rank-{index}",
         )

@@ -31,7 +31,6 @@ async def shut_down(
     *,
     grace_period: float | None,
     wait_first: bool,
-    reap_timeout: float = REAP_TIMEOUT,
 ) -> list[LocalRank]:
     """Stop every rank that is still running, politely first.
 
@@ -41,7 +40,6 @@ async def shut_down(
             :data:`DEFAULT_GRACE_PERIOD`.
         wait_first: After a rank failed: when ``grace_period`` is set, first
             give the others that long to exit by themselves, as torch does.
-        reap_timeout: Seconds to wait for the reaping after SIGKILL.
 
     Returns:
         The ranks that could not be reaped (stuck in the kernel), already logged.
@@ -67,7 +65,7 @@ async def shut_down(
                 rank.rank,
                 term_wait,
             )
-    with anyio.move_on_after(reap_timeout):
+    with anyio.move_on_after(REAP_TIMEOUT):
         await _wait_for_exits(live)
     stuck = [rank for rank in live if rank.poll() is None]
     for rank in stuck:
@@ -76,7 +74,7 @@ async def shut_down(
             " uninterruptible sleep (state D), waiting on the kernel or a device",
             rank.pid,
             rank.rank,
-            reap_timeout,
+            REAP_TIMEOUT,
         )
     return stuck
 
