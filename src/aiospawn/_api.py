@@ -2,18 +2,55 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, Literal, TypeVar, TypeVarTuple, overload
+from typing import Any, Literal, TypedDict, TypeVar, TypeVarTuple, Unpack, overload
 
 from ._context import AsyncProcessContext
-from ._launch import check_seconds, make_spec
+from ._launch import EnvSpec, check_seconds, make_spec
+from ._output import DEFAULT_PREFIX, make_output_spec
 
-__all__ = ["open_group", "spawn", "start_processes"]
+__all__ = ["GroupOptions", "open_group", "spawn", "start_processes"]
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
+
+
+class GroupOptions(TypedDict, total=False):
+    """Keyword-only options of :func:`start_processes`, :func:`spawn` and :func:`open_group`.
+
+    Attributes:
+        grace_period: The group's default seconds between SIGTERM and SIGKILL
+            during a shutdown, and after a failure, how long the other ranks
+            may first take to exit by themselves. ``None`` (the default): no
+            such wait, and :data:`DEFAULT_GRACE_PERIOD` (30 s) between SIGTERM
+            and SIGKILL.
+        env: Environment variables set in each rank before ``fn`` runs: one
+            mapping for every rank, or a callable ``rank -> mapping``. Under
+            ``spawn`` and ``forkserver`` the module of ``fn`` (and the main
+            script) is imported before they are set.
+        stdout: Where each rank's stdout goes: ``"inherit"`` (the default),
+            ``"prefix"`` (the supervisor's stdout, each line behind
+            ``prefix``), ``"capture"`` (kept for ``ctx.output()``),
+            ``"devnull"``, or a directory path (one file per rank,
+            ``rank{N}.stdout``, owner-only, never deleted).
+        stderr: The same for stderr (files ``rank{N}.stderr``). With ``prefix``,
+            ``capture`` or ``tee``, a failed rank's exception quotes its last
+            20 stderr lines.
+        tee: With a directory path: also write each line to the supervisor's
+            stream, behind ``prefix``.
+        prefix: The template of the line prefix, with ``{rank}``, ``{pid}`` and
+            ``{restart}``; default ``"[rank{rank}]: "``.
+    """
+
+    grace_period: float | None
+    env: EnvSpec
+    stdout: str | os.PathLike[str]
+    stderr: str | os.PathLike[str]
+    tee: bool
+    prefix: str
 
 
 @overload
@@ -24,8 +61,7 @@ async def start_processes(
     join: Literal[True] = True,
     daemon: bool = False,
     start_method: str | None = "spawn",
-    *,
-    grace_period: float | None = None,
+    **options: Unpack[GroupOptions],
 ) -> list[T]: ...
 
 
@@ -38,7 +74,7 @@ async def start_processes(
     join: Literal[False],
     daemon: bool = False,
     start_method: str | None = "spawn",
-    grace_period: float | None = None,
+    **options: Unpack[GroupOptions],
 ) -> AsyncProcessContext[T]: ...
 
 
@@ -50,8 +86,7 @@ async def start_processes(
     join: Literal[False],
     daemon: bool = False,
     start_method: str | None = "spawn",
-    *,
-    grace_period: float | None = None,
+    **options: Unpack[GroupOptions],
 ) -> AsyncProcessContext[T]: ...
 
 
@@ -62,8 +97,7 @@ async def start_processes(
     join: bool = True,
     daemon: bool = False,
     start_method: str | None = "spawn",
-    *,
-    grace_period: float | None = None,
+    **options: Unpack[GroupOptions],
 ) -> list[Any] | AsyncProcessContext[Any]:
     """Start ``nprocs`` processes, each running ``fn(rank, *args)`` for rank 0..nprocs-1.
 
@@ -86,10 +120,8 @@ async def start_processes(
         daemon: Start the processes as daemons (they cannot have children).
         start_method: ``"spawn"``, ``"fork"``, ``"forkserver"``, or ``None``
             for the platform default.
-        grace_period: The group's default seconds between SIGTERM and SIGKILL
-            during a shutdown, and after a failure, how long the other ranks
-            may first take to exit by themselves. ``None``: no such wait, and
-            30 s between SIGTERM and SIGKILL.
+        **options: Keyword-only group options (:class:`GroupOptions`):
+            ``grace_period``, ``env``, ``stdout``, ``stderr``, ``tee``, ``prefix``.
 
     Returns:
         With ``join=True``, the list of return values, index = rank; with
@@ -113,21 +145,7 @@ async def start_processes(
         cancellation is re-raised, unchanged. A second cancellation does not
         cut that short. Nothing is left running.
     """
-    return await _start_processes(fn, args, nprocs, join, daemon, start_method, grace_period)
-
-
-async def _start_processes(
-    fn: Callable[..., Any],
-    args: Sequence[Any],
-    nprocs: int,
-    join: bool,
-    daemon: bool,
-    start_method: str | None,
-    grace_period: float | None,
-) -> list[Any] | AsyncProcessContext[Any]:
-    spec = make_spec(fn, args, nprocs, start_method, daemon)
-    check_seconds("grace_period", grace_period)
-    ctx: AsyncProcessContext[Any] = await AsyncProcessContext._start(spec, grace_period)
+    ctx = await _start_group(fn, args, nprocs, daemon, start_method, options)
     if not join:
         return ctx
     await ctx.join()
@@ -142,8 +160,7 @@ async def spawn(
     join: Literal[True] = True,
     daemon: bool = False,
     start_method: str | None = "spawn",
-    *,
-    grace_period: float | None = None,
+    **options: Unpack[GroupOptions],
 ) -> list[T]: ...
 
 
@@ -156,7 +173,7 @@ async def spawn(
     join: Literal[False],
     daemon: bool = False,
     start_method: str | None = "spawn",
-    grace_period: float | None = None,
+    **options: Unpack[GroupOptions],
 ) -> AsyncProcessContext[T]: ...
 
 
@@ -168,8 +185,7 @@ async def spawn(
     join: Literal[False],
     daemon: bool = False,
     start_method: str | None = "spawn",
-    *,
-    grace_period: float | None = None,
+    **options: Unpack[GroupOptions],
 ) -> AsyncProcessContext[T]: ...
 
 
@@ -180,8 +196,7 @@ async def spawn(
     join: bool = True,
     daemon: bool = False,
     start_method: str | None = "spawn",
-    *,
-    grace_period: float | None = None,
+    **options: Unpack[GroupOptions],
 ) -> list[Any] | AsyncProcessContext[Any]:
     """:func:`start_processes` with the ``spawn`` start method, always.
 
@@ -192,7 +207,7 @@ async def spawn(
     """
     if start_method != "spawn":
         warn_spawn_only(start_method)
-    return await _start_processes(fn, args, nprocs, join, daemon, "spawn", grace_period)
+    return await start_processes(fn, args, nprocs, join, daemon, "spawn", **options)  # type: ignore[call-overload, no-any-return]
 
 
 def warn_spawn_only(start_method: str | None) -> None:
@@ -214,7 +229,7 @@ async def open_group(
     *,
     start_method: str | None = "spawn",
     daemon: bool = False,
-    grace_period: float | None = None,
+    **options: Unpack[GroupOptions],
 ) -> AsyncIterator[AsyncProcessContext[T]]:
     """Start a group and supervise it for the duration of an ``async with`` block.
 
@@ -246,8 +261,31 @@ async def open_group(
         (SIGTERM, grace period, SIGKILL) and reaps them all before the
         cancellation propagates, unchanged.
     """
-    spec = make_spec(fn, args, nprocs, start_method, daemon)
-    check_seconds("grace_period", grace_period)
-    ctx: AsyncProcessContext[T] = await AsyncProcessContext._start(spec, grace_period)
+    ctx: AsyncProcessContext[T] = await _start_group(
+        fn, args, nprocs, daemon, start_method, options
+    )
     async with ctx:
         yield ctx
+
+
+async def _start_group(
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    nprocs: int,
+    daemon: bool,
+    start_method: str | None,
+    options: GroupOptions,
+) -> AsyncProcessContext[Any]:
+    unknown = set(options) - set(GroupOptions.__annotations__)
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(unknown))}")
+    grace_period = options.get("grace_period")
+    check_seconds("grace_period", grace_period)
+    output = make_output_spec(
+        options.get("stdout", "inherit"),
+        options.get("stderr", "inherit"),
+        options.get("tee", False),
+        options.get("prefix", DEFAULT_PREFIX),
+    )
+    spec = make_spec(fn, args, nprocs, start_method, daemon, env=options.get("env"), output=output)
+    return await AsyncProcessContext._start(spec, grace_period)

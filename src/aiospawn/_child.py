@@ -45,14 +45,35 @@ import os
 import pickle
 import select
 import signal
+import sys
 import threading
 import time
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, NamedTuple
 
 from ._wire import Kind, header
+
+
+class RankSetup(NamedTuple):
+    """What the supervisor tells a rank about its surroundings.
+
+    Attributes:
+        supervisor_pid: The supervising process, whose death kills this rank.
+        supervisor_is_parent: True under ``spawn`` and ``fork``; under
+            ``forkserver`` the fork server is the parent.
+        env: Variables to set in ``os.environ`` before ``fn`` runs.
+        stdout: Where fd 1 goes: the write end of a pipe to the supervisor, a
+            file path (created owner-only), or ``None`` to inherit.
+        stderr: The same for fd 2.
+    """
+
+    supervisor_pid: int
+    supervisor_is_parent: bool
+    env: dict[str, str] | None = None
+    stdout: Connection | str | None = None
+    stderr: Connection | str | None = None
 
 
 def run_rank(
@@ -60,8 +81,7 @@ def run_rank(
     rank: int,
     args: tuple[Any, ...],
     channel: Connection,
-    supervisor_pid: int,
-    supervisor_is_parent: bool,
+    setup: RankSetup,
 ) -> None:
     """Run ``fn(rank, *args)`` as rank ``rank`` and report how it ended.
 
@@ -70,13 +90,15 @@ def run_rank(
         rank: This rank's index.
         args: The extra positional arguments.
         channel: Write end of the rank's private result pipe.
-        supervisor_pid: The supervising process, whose death kills this rank.
-        supervisor_is_parent: True under ``spawn`` and ``fork``; under
-            ``forkserver`` the fork server is the parent.
+        setup: The rank's surroundings.
     """
     _become_group_leader()
     _restore_default_signals()
-    _guard_supervisor(supervisor_pid, supervisor_is_parent)
+    _guard_supervisor(setup.supervisor_pid, setup.supervisor_is_parent)
+    if setup.env:
+        os.environ.update(setup.env)
+    _redirect(sys.stdout, 1, setup.stdout)
+    _redirect(sys.stderr, 2, setup.stderr)
     fd = channel.fileno()
     try:
         value = fn(rank, *args)
@@ -95,6 +117,25 @@ def run_rank(
         _send_exception(fd, exc)
         raise SystemExit(1) from None
     _send_value(fd, value)
+
+
+def _redirect(stream: Any, fd: int, target: Connection | str | None) -> None:
+    # At the descriptor level, so that C extensions and the rank's own children
+    # write there too.
+    if target is None:
+        return
+    if stream is not None:
+        stream.flush()
+    if isinstance(target, str):
+        new = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(new, fd)
+        os.close(new)
+    else:
+        os.dup2(target.fileno(), fd)
+        target.close()
+        # Lines reach the supervisor as they are written, as with python -u.
+        if stream is not None and hasattr(stream, "reconfigure"):
+            stream.reconfigure(line_buffering=True)
 
 
 def _become_group_leader() -> None:

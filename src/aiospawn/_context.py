@@ -21,7 +21,7 @@ to fail by itself, not because we stopped it, is the root cause; every
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from types import TracebackType
 from typing import Any, Generic, Self, TypeVar, final
 
@@ -30,8 +30,9 @@ import anyio.abc
 from anyio.lowlevel import checkpoint
 
 from ._errors import ProcessException, ProcessRaisedException, raised_message, signal_name
-from ._launch import LaunchSpec, check_seconds, make_ranks, start_ranks
+from ._launch import LaunchSpec, check_seconds, make_rank, start_ranks
 from ._outcome import RankExit
+from ._output import CaptureBuffer, OutputLine
 from ._shield import run_to_completion
 from ._shutdown import shut_down
 from ._watch import LocalRank
@@ -67,7 +68,10 @@ class AsyncProcessContext(Generic[T]):
             )
         self._spec = spec
         self._grace_period = grace_period
-        self._ranks = make_ranks(spec, self._on_exit)
+        self._capture = CaptureBuffer() if spec.output.captures else None
+        self._ranks = [
+            make_rank(spec, index, self._on_exit, self._capture) for index in range(spec.nprocs)
+        ]
         self._started = anyio.Event()
         self._root: RankExit | None = None
         self._shutdown_done: anyio.Event | None = None
@@ -110,6 +114,23 @@ class AsyncProcessContext(Generic[T]):
                 " returned); await ctx.join() first"
             )
         return self._results
+
+    async def output(self) -> AsyncIterator[OutputLine]:
+        """Yield the captured lines of every rank as they are written.
+
+        Each item is an ``OutputLine(rank, stream, line)``, the line without its
+        newline. Lines of one rank and stream keep their order. Iteration ends
+        once every rank has exited and its last lines were delivered. While
+        nobody iterates, up to 10,000 lines are held; beyond that the ranks
+        are held back (their writes block) until the consumer catches up.
+
+        Raises:
+            RuntimeError: Neither ``stdout`` nor ``stderr`` is ``"capture"``.
+        """
+        if self._capture is None:
+            raise RuntimeError('ctx.output() needs stdout="capture" or stderr="capture"')
+        async for line in self._capture.lines():
+            yield line
 
     async def join(self, timeout: float | None = None, grace_period: float | None = None) -> bool:
         """Wait for every rank to finish; on the first failure, stop the rest and raise.
@@ -220,6 +241,8 @@ class AsyncProcessContext(Generic[T]):
     def _on_exit(self, exit: RankExit) -> None:
         if self._root is None and not exit.succeeded and not exit.stopped_by_us:
             self._root = exit
+        if self._capture is not None and self._all_exited():
+            self._capture.close()
 
     async def _join(
         self, timeout: float | None, grace_period: float | None, *, until_all: bool

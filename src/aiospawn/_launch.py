@@ -17,14 +17,15 @@ import os
 import pickle
 import resource
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
 
-from ._child import run_rank
+from ._child import RankSetup, run_rank
 from ._outcome import RankExit
+from ._output import CaptureBuffer, OutputSpec, RankOutput
 from ._watch import LocalRank
 
 START_METHODS = ("spawn", "fork", "forkserver")
@@ -37,6 +38,10 @@ FDS_PER_RANK = 4
 START_CONCURRENCY = 32
 
 
+#: The environment of a group's ranks: one mapping for all, or one per rank.
+EnvSpec = Mapping[str, str] | Callable[[int], Mapping[str, str]] | None
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LaunchSpec:
     """What every rank of a group runs, and how its process is made."""
@@ -46,6 +51,8 @@ class LaunchSpec:
     nprocs: int
     start_method: str
     daemon: bool
+    env: EnvSpec
+    output: OutputSpec
 
 
 def make_spec(
@@ -54,13 +61,17 @@ def make_spec(
     nprocs: int,
     start_method: str | None,
     daemon: bool,
+    *,
+    env: EnvSpec = None,
+    output: OutputSpec,
 ) -> LaunchSpec:
     """Check a group's arguments before anything starts, and resolve the start method.
 
     Raises:
         TypeError: ``fn`` is not callable, or cannot reach a ``spawn`` or
             ``forkserver`` child (a lambda, a local function, a function of an
-            interactive ``__main__``); ``args`` is not a sequence.
+            interactive ``__main__``); ``args`` is not a sequence; ``env`` is
+            neither a mapping nor a callable.
         ValueError: ``nprocs`` is not a positive int within :func:`max_nprocs`,
             or ``start_method`` is unknown.
     """
@@ -68,12 +79,20 @@ def make_spec(
         raise TypeError(f"fn must be callable, got {fn!r}")
     if isinstance(args, str | bytes) or not isinstance(args, Sequence):
         raise TypeError(f"args must be a tuple or list of positional arguments, got {args!r}")
+    if env is not None and not (isinstance(env, Mapping) or callable(env)):
+        raise TypeError(f"env must be a mapping, a callable rank -> mapping, or None, got {env!r}")
     check_nprocs(nprocs)
     method = resolve_start_method(start_method)
     if method != "fork":
         _check_importable(fn, method)
     return LaunchSpec(
-        fn=fn, args=tuple(args), nprocs=nprocs, start_method=method, daemon=bool(daemon)
+        fn=fn,
+        args=tuple(args),
+        nprocs=nprocs,
+        start_method=method,
+        daemon=bool(daemon),
+        env=env,
+        output=output,
     )
 
 
@@ -142,31 +161,40 @@ def _check_importable(fn: Callable[..., Any], method: str) -> None:
         ) from exc
 
 
-def make_ranks(spec: LaunchSpec, on_exit: Callable[[RankExit], None]) -> list[LocalRank]:
-    """Create (without starting) one :class:`LocalRank` per rank of ``spec``."""
+def make_rank(
+    spec: LaunchSpec,
+    index: int,
+    on_exit: Callable[[RankExit], None],
+    capture: CaptureBuffer | None,
+) -> LocalRank:
+    """Create (without starting) the :class:`LocalRank` for rank ``index`` of ``spec``."""
     # typeshed gives get_context(str) the BaseContext type, which lacks Process.
     context: Any = multiprocessing.get_context(spec.start_method)
-    supervisor_is_parent = spec.start_method != "forkserver"
-    ranks = []
-    for index in range(spec.nprocs):
-        reader, writer = context.Pipe(duplex=False)
-        process = context.Process(
-            target=run_rank,
-            args=(spec.fn, index, spec.args, writer, os.getpid(), supervisor_is_parent),
-            daemon=spec.daemon,
-            name=f"aiospawn-rank-{index}",
-        )
-        ranks.append(
-            LocalRank(
-                index,
-                process,
-                reader,
-                writer,
-                exit_via_sentinel=spec.start_method == "forkserver",
-                on_exit=on_exit,
-            )
-        )
-    return ranks
+    reader, writer = context.Pipe(duplex=False)
+    env = spec.env(index) if callable(spec.env) else spec.env
+    output = RankOutput(spec.output, index, context, capture)
+    setup = RankSetup(
+        supervisor_pid=os.getpid(),
+        supervisor_is_parent=spec.start_method != "forkserver",
+        env={str(key): str(value) for key, value in env.items()} if env else None,
+        stdout=output.targets["stdout"],
+        stderr=output.targets["stderr"],
+    )
+    process = context.Process(
+        target=run_rank,
+        args=(spec.fn, index, spec.args, writer, setup),
+        daemon=spec.daemon,
+        name=f"aiospawn-rank-{index}",
+    )
+    return LocalRank(
+        index,
+        process,
+        reader,
+        writer,
+        output,
+        exit_via_sentinel=spec.start_method == "forkserver",
+        on_exit=on_exit,
+    )
 
 
 async def start_ranks(ranks: Sequence[LocalRank], start_method: str) -> None:

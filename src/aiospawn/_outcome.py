@@ -30,6 +30,8 @@ class RankExit:
         frame: The ``(kind, payload)`` the rank sent, if it sent a whole one.
         stopped_by_us: True when aiospawn had signalled the rank to stop, so
             that its death is a consequence of a shutdown, never a root cause.
+        stderr_tail: The last lines of the rank's stderr, when it passed
+            through the supervisor (``prefix``, ``capture`` or ``tee``).
     """
 
     rank: int
@@ -37,6 +39,7 @@ class RankExit:
     exit_code: int
     frame: tuple[Kind, bytes] | None
     stopped_by_us: bool
+    stderr_tail: tuple[str, ...] = ()
 
     @property
     def succeeded(self) -> bool:
@@ -63,6 +66,9 @@ class RankExit:
             exc_pickle, type_name, text = pickle.loads(self.frame[1])
             error = ProcessRaisedException(raised_message(self.rank, text), self.rank, self.pid)
             error.__cause__ = _rebuild(exc_pickle, type_name, text)
+            if self.stderr_tail:
+                # A note, not the message: torch's message ends with the exception line.
+                error.add_note(self._stderr_tail_text())
             return error
         detail = None
         if self.frame is not None and self.frame[0] == Kind.EXITED:
@@ -70,8 +76,14 @@ class RankExit:
         message = exited_message(
             self.rank, self.exit_code, detail=detail, killed_by_us=self.stopped_by_us
         )
+        if self.stderr_tail:
+            message += "\n" + self._stderr_tail_text()
         name = signal_name(self.exit_code) if self.exit_code < 0 else None
         return ProcessExitedException(message, self.rank, self.pid, self.exit_code, name)
+
+    def _stderr_tail_text(self) -> str:
+        lines = "\n".join(f"    {line}" for line in self.stderr_tail)
+        return f"last lines of rank {self.rank}'s stderr:\n{lines}"
 
 
 def _rebuild(exc_pickle: bytes | None, type_name: str, text: str) -> BaseException:

@@ -27,6 +27,7 @@ from multiprocessing.process import BaseProcess
 import anyio
 
 from ._outcome import RankExit
+from ._output import RankOutput
 from ._wire import FrameReader
 
 _READ_CHUNK = 256 * 1024
@@ -40,6 +41,7 @@ class LocalRank:
         process: The (not yet started) process that will run it.
         reader: Read end of the rank's result pipe.
         writer: Write end, handed to the process and closed here once it started.
+        output: The rank's stdout and stderr plumbing.
         exit_via_sentinel: Wait on the process sentinel rather than a pidfd.
             Under ``forkserver`` the server reaps the rank and sends the exit
             status through the sentinel, so a pidfd would wake us before the
@@ -53,6 +55,7 @@ class LocalRank:
         process: BaseProcess,
         reader: Connection,
         writer: Connection,
+        output: RankOutput,
         *,
         exit_via_sentinel: bool,
         on_exit: Callable[[RankExit], None],
@@ -61,6 +64,7 @@ class LocalRank:
         self.process = process
         self._reader = reader
         self._writer: Connection | None = writer
+        self._output = output
         self._exit_via_sentinel = exit_via_sentinel
         self._on_exit = on_exit
         self._frame = FrameReader()
@@ -105,6 +109,7 @@ class LocalRank:
         multiprocessing.process._children.discard(self.process)  # type: ignore[attr-defined]
         pid = self.process.pid
         assert pid is not None
+        self._output.started(pid)
         with contextlib.suppress(AttributeError, OSError):  # no pidfd: not Linux, or old
             self._pidfd = os.pidfd_open(pid)
         if self._pidfd is not None and not self._exit_via_sentinel:
@@ -120,6 +125,7 @@ class LocalRank:
             self._writer.close()
             self._writer = None
         self._reader.close()
+        self._output.discard()
 
     def poll(self) -> RankExit | None:
         """Make progress without waiting: read what the rank sent, reap it if it exited."""
@@ -177,6 +183,8 @@ class LocalRank:
     async def _watch(self) -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._read_until_complete)
+            for stream in self._output.streams:
+                tg.start_soon(stream.pump)
             with contextlib.suppress(anyio.ClosedResourceError):
                 await anyio.wait_readable(self._exit_fd)
             tg.cancel_scope.cancel()
@@ -212,12 +220,14 @@ class LocalRank:
     def _finish(self, exit_code: int) -> None:
         pid = self.process.pid
         assert pid is not None
+        self._output.drain()  # what the rank wrote just before it exited
         self._exit = RankExit(
             rank=self.rank,
             pid=pid,
             exit_code=exit_code,
             frame=self._frame.frame(),
             stopped_by_us=self._stopped_by_us,
+            stderr_tail=self._output.stderr_tail(),
         )
         # Wake our own waiters before closing what they wait on; closing a
         # watched fd without notify_closing() leaves its waiter hanging.

@@ -1,0 +1,356 @@
+"""Per-rank output: where each rank's stdout and stderr go, and reading the ones that pass us.
+
+A stream's mode is one of
+
+* ``"inherit"``: the rank writes to the supervisor's own stream (no copying);
+* ``"devnull"``: discarded;
+* a directory path: one file per rank and stream (``rank3.stdout``), created
+  with owner-only permissions and never deleted;
+* ``"prefix"``: each line is written to the supervisor's stream behind a
+  prefix such as ``[rank3]: ``;
+* ``"capture"``: the lines are kept for ``ctx.output()``.
+
+The rank's file descriptors 1 and 2 are redirected, so the output of C
+extensions and of the rank's own children is included. Streams in the last two
+modes, and every stream with ``tee=True``, come through a pipe that the rank's
+watcher reads on the event loop (no thread, no polling): lines are split at
+``MAX_LINE`` bytes, never dropped, and a rank that writes faster than a
+``capture`` consumer reads is held back by its full pipe instead of growing
+memory without bound. What a rank wrote just before it exited is read before
+its exit is reported.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any, BinaryIO, NamedTuple
+
+import anyio
+
+STREAMS = ("stdout", "stderr")
+MODES = ("inherit", "prefix", "capture", "devnull")
+
+#: Longer lines are split into pieces of this many bytes, never dropped.
+MAX_LINE = 64 * 1024
+
+#: The last lines of a failed rank's stderr that its exception quotes.
+STDERR_TAIL_LINES = 20
+
+#: Captured lines held for ``ctx.output()`` before the ranks are held back.
+CAPTURE_BUFFER_LINES = 10_000
+
+DEFAULT_PREFIX = "[rank{rank}]: "
+
+_READ_CHUNK = 64 * 1024
+
+
+class OutputLine(NamedTuple):
+    """One line a rank wrote, as ``ctx.output()`` yields it."""
+
+    rank: int
+    stream: str
+    line: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OutputSpec:
+    """Where a group's streams go: ``modes`` maps stream name to mode or directory."""
+
+    modes: dict[str, str | Path]
+    tee: bool
+    prefix: str
+
+    @property
+    def captures(self) -> bool:
+        """True if some stream is captured for ``ctx.output()``."""
+        return "capture" in self.modes.values()
+
+
+def make_output_spec(stdout: object, stderr: object, tee: object, prefix: object) -> OutputSpec:
+    """Check the output options of a group.
+
+    Raises:
+        ValueError: A mode is neither a known one nor a path; ``tee`` without a
+            directory; a ``prefix`` template with an unknown field.
+        TypeError: ``prefix`` is not a string.
+    """
+    modes: dict[str, str | Path] = {}
+    for name, value in zip(STREAMS, (stdout, stderr), strict=True):
+        if isinstance(value, str) and value in MODES:
+            modes[name] = value
+        elif isinstance(value, str | os.PathLike):
+            modes[name] = Path(value)
+        else:
+            raise ValueError(
+                f"{name} must be one of {', '.join(map(repr, MODES))} or a directory path,"
+                f" got {value!r}"
+            )
+    if tee and not any(isinstance(mode, Path) for mode in modes.values()):
+        raise ValueError("tee=True needs stdout or stderr to be a directory path")
+    if not isinstance(prefix, str):
+        raise TypeError(f"prefix must be a str template, got {prefix!r}")
+    try:
+        prefix.format(rank=0, pid=0, restart=0)
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ValueError(
+            f"prefix may use {{rank}}, {{pid}} and {{restart}}, got {prefix!r}"
+        ) from exc
+    return OutputSpec(modes=modes, tee=bool(tee), prefix=prefix)
+
+
+class CaptureBuffer:
+    """Captured lines of a whole group, waiting for ``ctx.output()``."""
+
+    def __init__(self) -> None:
+        self._lines: collections.deque[OutputLine] = collections.deque()
+        self._changed = anyio.Event()
+        self._closed = False
+
+    @property
+    def full(self) -> bool:
+        """True while readers should hold the ranks back."""
+        return len(self._lines) >= CAPTURE_BUFFER_LINES
+
+    def put(self, line: OutputLine) -> None:
+        """Add a line; the bound is applied by readers waiting in :meth:`wait_for_room`."""
+        self._lines.append(line)
+        self._notify()
+
+    def close(self) -> None:
+        """No more lines will come: iteration ends once the buffer is empty."""
+        self._closed = True
+        self._notify()
+
+    async def wait_for_room(self) -> None:
+        """Wait while the buffer is full."""
+        while self.full:
+            await self._changed.wait()
+
+    async def lines(self) -> AsyncIterator[OutputLine]:
+        """Yield lines as they come, until closed and drained."""
+        while True:
+            while self._lines:
+                line = self._lines.popleft()
+                self._notify()
+                yield line
+            if self._closed:
+                return
+            await self._changed.wait()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+
+class StreamReader:
+    """Reads one rank stream's pipe on the event loop and hands out its lines."""
+
+    def __init__(
+        self,
+        reader: Connection,
+        name: str,
+        sinks: list[Callable[[bytes], None]],
+        capture: CaptureBuffer | None,
+    ) -> None:
+        self.name = name
+        self._reader = reader
+        self._sinks = sinks
+        self._capture = capture
+        self._partial = b""
+        self._eof = False
+        self.tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
+
+    def prepare(self) -> None:
+        """Make the pipe non-blocking, once the rank has its end."""
+        os.set_blocking(self._reader.fileno(), False)
+
+    async def pump(self) -> None:
+        """Read lines as the rank writes them, until end-of-file or cancellation."""
+        fd = self._reader.fileno()
+        while not self._eof:
+            if self._capture is not None:
+                await self._capture.wait_for_room()
+            try:
+                await anyio.wait_readable(fd)
+            except anyio.ClosedResourceError:
+                return
+            self._read(limit=1)
+
+    def drain(self) -> None:
+        """After the rank exited: read what is left without waiting, then close."""
+        if self._reader.closed:
+            return
+        self._read(limit=None)
+        if self._partial:
+            self._emit(self._partial)
+            self._partial = b""
+        anyio.notify_closing(self._reader.fileno())
+        self._reader.close()
+
+    def close(self) -> None:
+        """Release the pipe without reading (the rank never started)."""
+        self._reader.close()
+
+    def _read(self, limit: int | None) -> None:
+        fd = self._reader.fileno()
+        reads = 0
+        while not self._eof and (limit is None or reads < limit):
+            try:
+                data = os.read(fd, _READ_CHUNK)
+            except BlockingIOError:
+                return
+            reads += 1
+            if not data:
+                self._eof = True
+                return
+            self._split(data)
+
+    def _split(self, data: bytes) -> None:
+        buffer = self._partial + data
+        start = 0
+        while True:
+            end = buffer.find(b"\n", start, start + MAX_LINE)
+            if end >= 0:
+                self._emit(buffer[start:end])
+                start = end + 1
+            elif len(buffer) - start >= MAX_LINE:
+                self._emit(buffer[start : start + MAX_LINE])
+                start += MAX_LINE
+            else:
+                break
+        self._partial = buffer[start:]
+
+    def _emit(self, line: bytes) -> None:
+        for sink in self._sinks:
+            sink(line)
+        if self.name == "stderr":
+            self.tail.append(line.decode(errors="replace"))
+
+
+class RankOutput:
+    """The output plumbing of one rank: what its fds 1 and 2 become, and our readers.
+
+    Args:
+        spec: The group's output spec.
+        rank: The rank's index.
+        context: The multiprocessing context, to make pipes the rank can receive.
+        capture: The group's capture buffer, if a stream is captured.
+        restart: The rank's restart count, for the prefix.
+    """
+
+    def __init__(
+        self,
+        spec: OutputSpec,
+        rank: int,
+        context: Any,
+        capture: CaptureBuffer | None,
+        restart: int = 0,
+    ) -> None:
+        self._rank = rank
+        self._restart = restart
+        self._template = spec.prefix
+        self._prefix = b""
+        self.targets: dict[str, Connection | str | None] = {}
+        self.streams: list[StreamReader] = []
+        self._child_ends: list[Connection] = []
+        self._log_fds: list[int] = []
+        for name in STREAMS:
+            mode = spec.modes[name]
+            log = mode / f"rank{rank}.{name}" if isinstance(mode, Path) else None
+            if mode == "inherit":
+                self.targets[name] = None
+            elif mode == "devnull":
+                self.targets[name] = os.devnull
+            elif log is not None and not spec.tee:
+                log.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                self.targets[name] = str(log)
+            else:
+                reader, writer = context.Pipe(duplex=False)
+                self._child_ends.append(writer)
+                self.targets[name] = writer
+                sinks: list[Callable[[bytes], None]] = []
+                if log is not None:
+                    self._log_fds.append(_open_log(log))
+                    sinks.append(_file_writer(self._log_fds[-1]))
+                if mode == "prefix" or log is not None:
+                    sinks.append(self._prefixed_writer(name))
+                if mode == "capture":
+                    assert capture is not None
+                    sinks.append(_capturer(capture, rank, name))
+                held_back_by = capture if mode == "capture" else None
+                self.streams.append(StreamReader(reader, name, sinks, held_back_by))
+
+    def started(self, pid: int) -> None:
+        """Close our copies of the rank's ends, once the rank (``pid``) has its own."""
+        self._prefix = self._template.format(
+            rank=self._rank, pid=pid, restart=self._restart
+        ).encode()
+        for end in self._child_ends:
+            end.close()
+        self._child_ends.clear()
+        for stream in self.streams:
+            stream.prepare()
+
+    def drain(self) -> None:
+        """After the rank exited: deliver what is left, then close everything."""
+        for stream in self.streams:
+            stream.drain()
+        self._close_logs()
+
+    def discard(self) -> None:
+        """Close everything of a rank that never started."""
+        for end in self._child_ends:
+            end.close()
+        self._child_ends.clear()
+        for stream in self.streams:
+            stream.close()
+        self._close_logs()
+
+    def stderr_tail(self) -> tuple[str, ...]:
+        """The last lines of stderr that passed through us."""
+        for stream in self.streams:
+            if stream.name == "stderr":
+                return tuple(stream.tail)
+        return ()
+
+    def _prefixed_writer(self, name: str) -> Callable[[bytes], None]:
+        stream: Any = sys.stdout if name == "stdout" else sys.stderr
+        target: BinaryIO = stream.buffer if hasattr(stream, "buffer") else stream
+
+        def write(line: bytes) -> None:
+            target.write(self._prefix + line + b"\n")
+            target.flush()
+
+        return write
+
+    def _close_logs(self) -> None:
+        for fd in self._log_fds:
+            os.close(fd)
+        self._log_fds.clear()
+
+
+def _open_log(path: Path) -> int:
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+
+
+def _file_writer(fd: int) -> Callable[[bytes], None]:
+    def write(line: bytes) -> None:
+        data = memoryview(line + b"\n")
+        while data:
+            data = data[os.write(fd, data) :]
+
+    return write
+
+
+def _capturer(capture: CaptureBuffer, rank: int, name: str) -> Callable[[bytes], None]:
+    def keep(line: bytes) -> None:
+        capture.put(OutputLine(rank, name, line.decode(errors="replace")))
+
+    return keep
