@@ -12,6 +12,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from ._api import GroupOptions as GroupOptions
     from ._api import open_group as open_group
     from ._api import spawn as spawn
     from ._api import start_processes as start_processes
@@ -20,11 +21,14 @@ if TYPE_CHECKING:
     from ._errors import ProcessExitedException as ProcessExitedException
     from ._errors import ProcessRaisedException as ProcessRaisedException
     from ._errors import RemoteTraceback as RemoteTraceback
+    from ._output import OutputLine as OutputLine
     from ._shutdown import DEFAULT_GRACE_PERIOD as DEFAULT_GRACE_PERIOD
 
 __all__ = [
     "DEFAULT_GRACE_PERIOD",
     "AsyncProcessContext",
+    "GroupOptions",
+    "OutputLine",
     "ProcessException",
     "ProcessExitedException",
     "ProcessRaisedException",
@@ -40,6 +44,8 @@ __all__ = [
 _HOMES = {
     "DEFAULT_GRACE_PERIOD": "._shutdown",
     "AsyncProcessContext": "._context",
+    "GroupOptions": "._api",
+    "OutputLine": "._output",
     "ProcessException": "._errors",
     "ProcessExitedException": "._errors",
     "ProcessRaisedException": "._errors",
