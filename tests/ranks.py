@@ -356,3 +356,65 @@ def rel_fail_or_sleep(rank: int, failing: int, conn: Any = None) -> None:
     if conn is not None:
         conn.send(("ready", rank, os.getpid()))
     sleep_forever(rank)
+
+
+# Ranks for test_output (prefix out_): what a rank writes to its stdout and stderr.
+
+
+def out_hello(rank: int, lines: int = 1) -> None:
+    """Write ``lines`` numbered lines to stdout and to stderr."""
+    for index in range(lines):
+        print(f"out {rank} {index}")
+        print(f"err {rank} {index}", file=sys.stderr)
+
+
+def out_flood(rank: int, count: int) -> None:
+    """Write ``count`` lines of 64 bytes (63 characters and a newline), in big writes."""
+    fill = "x" * 52
+    batch = 16384
+    for start in range(0, count, batch):
+        stop = min(start + batch, count)
+        block = "".join(f"{index:010d}{fill}\n" for index in range(start, stop))
+        sys.stdout.buffer.write(block.encode())
+    sys.stdout.flush()
+
+
+def out_last_words(rank: int, how: str) -> None:
+    """Write output, then end abruptly (``how``: ``"no-newline"``, ``"os-exit"``, ``"sigkill"``)."""
+    if how == "no-newline":
+        sys.stdout.write(f"first {rank}\nunfinished {rank}")
+        sys.stdout.flush()
+        os._exit(0)
+    if how == "os-exit":
+        print(f"last line {rank}", flush=True)
+        os._exit(3)
+    print(f"before sigkill {rank}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def out_c_level(rank: int) -> None:
+    """Write through C stdio (puts, fflush) and from a grandchild (os.system)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    libc.puts(f"from C {rank}".encode())
+    libc.fflush(None)
+    os.system(f"echo from grandchild {rank}; echo grandchild stderr {rank} >&2")
+
+
+def out_long_line(rank: int, length: int) -> None:
+    sys.stdout.write("y" * length + "\n")
+    sys.stdout.flush()
+
+
+def out_stderr_then_fail(rank: int, lines: int, how: str) -> None:
+    """Write ``lines`` numbered lines to stderr, then ``sys.exit(3)`` or raise."""
+    for index in range(lines):
+        print(f"stderr line {index}", file=sys.stderr)
+    if how == "exit":
+        sys.exit(3)
+    raise ValueError("out: failing after stderr lines")
+
+
+def out_environ(rank: int, *names: str) -> dict[str, str | None]:
+    return {name: os.environ.get(name) for name in names}

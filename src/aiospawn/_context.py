@@ -310,6 +310,8 @@ class AsyncProcessContext(Generic[T]):
 
     def _error(self) -> ProcessException | None:
         """The exception ``join()`` raises once the group has been shut down, if any."""
+        # A rank stuck in the kernel may have been released since.
+        self._stuck = [rank for rank in self._stuck if rank.poll() is None]
         if self._root is not None:
             error = self._root.exception()
         else:

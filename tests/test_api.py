@@ -1,0 +1,470 @@
+"""The async entry points: start_processes, spawn and open_group.
+
+Results, argument checks, open_group's task-group semantics, cancellation of
+a call or block that owns a group, and an event loop that keeps running.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.context
+import multiprocessing.process
+import os
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from typing import Any
+
+import anyio
+import pytest
+
+import aiospawn
+from aiospawn._launch import max_nprocs
+from tests import ranks
+
+pytestmark = pytest.mark.anyio
+
+Events = tuple[Connection, Connection]
+
+#: More than a pipe buffer: a start that sends it stays in flight until the rank reads it.
+BIG = b"x" * (1 << 20)
+
+
+@pytest.fixture
+def events() -> Iterator[Events]:
+    """A pipe the ranks report on: the test reads the first end, ranks get the second."""
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    yield reader, writer
+    reader.close()
+    writer.close()
+
+
+async def receive(reader: Connection, what: str) -> Any:
+    """Read one message the ranks sent; fail, rather than hang, if none comes in 30 s."""
+
+    def get() -> Any:
+        if not reader.poll(30):
+            raise AssertionError(f"no {what} from the ranks within 30 s")
+        return reader.recv()
+
+    return await anyio.to_thread.run_sync(get)
+
+
+async def receive_ready(reader: Connection, nprocs: int) -> dict[int, int]:
+    """Wait until ``nprocs`` ranks sent ``("ready", rank, pid)``; return pid by rank."""
+    pids = {}
+    for _ in range(nprocs):
+        kind, rank, pid = await receive(reader, "ready message")
+        assert kind == "ready"
+        pids[rank] = pid
+    return pids
+
+
+def drain(reader: Connection) -> list[Any]:
+    """Everything the ranks sent that has not been read yet."""
+    messages = []
+    while reader.poll(0):
+        messages.append(reader.recv())
+    return messages
+
+
+def is_gone(pid: int) -> bool:
+    """True once ``pid`` has exited and been reaped (a zombie still exists)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.fixture
+def no_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail the test if any process is started."""
+
+    def start(self: multiprocessing.process.BaseProcess) -> None:
+        raise AssertionError(f"{self!r} was started")
+
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", start)
+
+
+async def enter(entry: str, fn: Any, args: Any = (), nprocs: Any = 1, **kwargs: Any) -> None:
+    """Start a group through ``entry``: start_processes, spawn, or an open_group block."""
+    if entry == "open_group":
+        async with aiospawn.open_group(fn, args, nprocs, **kwargs):
+            pytest.fail("the open_group block ran")
+    else:
+        await getattr(aiospawn, entry)(fn, args, nprocs, **kwargs)
+
+
+ENTRIES = pytest.mark.parametrize("entry", ["start_processes", "spawn", "open_group"])
+
+
+# Results
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver", "fork"])
+async def test_start_processes_returns_the_results_in_rank_order(start_method: str) -> None:
+    results = await aiospawn.start_processes(
+        ranks.rank_times, (10,), nprocs=3, start_method=start_method
+    )
+    assert results == [0, 10, 20]
+
+
+async def test_spawn_returns_the_results_or_a_context() -> None:
+    assert await aiospawn.spawn(ranks.rank_times, (2,), nprocs=2) == [0, 2]
+    ctx = await aiospawn.spawn(ranks.rank_times, (3,), nprocs=2, join=False)
+    assert isinstance(ctx, aiospawn.AsyncProcessContext)
+    assert await ctx.join() is True
+    assert ctx.results == [0, 3]
+
+
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+async def test_spawn_with_another_start_method_warns_and_uses_spawn(start_method: str) -> None:
+    with pytest.warns(FutureWarning, match=r"aiospawn\.start_processes") as warned:
+        ctx = await aiospawn.spawn(
+            ranks.identity, ("v",), nprocs=2, join=False, start_method=start_method
+        )
+    assert warned[0].filename == __file__  # blames the caller
+    assert all(type(p) is multiprocessing.context.SpawnProcess for p in ctx.processes)
+    assert await ctx.join() is True
+    assert ctx.results == ["v", "v"]
+
+
+# Bad input, rejected before any process starts
+
+
+@ENTRIES
+@pytest.mark.parametrize("nprocs", [0, -1, True, 1.5, "2"])
+@pytest.mark.usefixtures("no_start")
+async def test_an_invalid_nprocs_is_rejected(entry: str, nprocs: Any) -> None:
+    with pytest.raises(ValueError, match=r"nprocs must be a positive int, got "):
+        await enter(entry, ranks.identity, (), nprocs)
+
+
+@ENTRIES
+@pytest.mark.usefixtures("no_start")
+async def test_an_nprocs_over_the_limit_is_rejected_naming_the_limit(entry: str) -> None:
+    limit = max_nprocs()
+    if limit >= 10**6:
+        pytest.skip(f"this machine's limits allow {limit} ranks")
+    with pytest.raises(ValueError, match=rf"nprocs=1000000 .*\({limit}, from RLIMIT_NOFILE"):
+        await enter(entry, ranks.identity, (), 10**6)
+
+
+@ENTRIES
+@pytest.mark.parametrize(
+    ("fn", "args", "match"),
+    [
+        pytest.param("ranks.identity", (), "fn must be callable", id="fn-not-callable"),
+        pytest.param(ranks.identity, 5, "args must be a tuple or list", id="args-not-a-sequence"),
+    ],
+)
+@pytest.mark.usefixtures("no_start")
+async def test_a_bad_fn_or_args_is_a_type_error(entry: str, fn: Any, args: Any, match: str) -> None:
+    with pytest.raises(TypeError, match=match):
+        await enter(entry, fn, args, 2)
+
+
+@pytest.mark.parametrize("entry", ["start_processes", "open_group"])
+@pytest.mark.usefixtures("no_start")
+async def test_an_unknown_start_method_is_rejected(entry: str) -> None:
+    with pytest.raises(ValueError, match=r"start_method must be one of .*got 'spwan'"):
+        await enter(entry, ranks.identity, (), 2, start_method="spwan")
+
+
+@ENTRIES
+@pytest.mark.parametrize("grace_period", [-1, float("nan")])
+@pytest.mark.usefixtures("no_start")
+async def test_a_negative_grace_period_is_rejected(entry: str, grace_period: float) -> None:
+    with pytest.raises(ValueError, match=r"grace_period must be a non-negative number"):
+        await enter(entry, ranks.identity, (), 2, grace_period=grace_period)
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+@pytest.mark.usefixtures("no_start")
+async def test_a_lambda_or_local_function_is_rejected_under_spawn_and_forkserver(
+    start_method: str,
+) -> None:
+    def local_rank_fn(rank: int) -> int:
+        return rank
+
+    with pytest.raises(TypeError, match=r"<lambda>.*cannot be pickled"):
+        await aiospawn.start_processes(lambda rank: rank, nprocs=2, start_method=start_method)
+    with pytest.raises(TypeError, match=r"local_rank_fn.*cannot be pickled"):
+        await aiospawn.start_processes(local_rank_fn, nprocs=2, start_method=start_method)
+    with pytest.raises(TypeError, match=r"<lambda>.*cannot be pickled"):
+        async with aiospawn.open_group(lambda rank: rank, nprocs=2, start_method=start_method):
+            pytest.fail("the open_group block ran")
+
+
+async def test_a_lambda_or_local_function_works_under_fork() -> None:
+    factor = 7
+
+    def local_rank_fn(rank: int) -> int:
+        return rank * factor
+
+    doubled = await aiospawn.start_processes(lambda rank: rank * 2, nprocs=2, start_method="fork")
+    assert doubled == [0, 2]
+    assert await aiospawn.start_processes(local_rank_fn, nprocs=2, start_method="fork") == [0, 7]
+
+
+@pytest.mark.parametrize("value", [-1, float("nan")])
+async def test_negative_timeouts_and_grace_periods_of_a_started_group_are_rejected(
+    value: float,
+) -> None:
+    ctx = await aiospawn.start_processes(ranks.identity, ("ok",), nprocs=2, join=False)
+    with pytest.raises(ValueError, match=r"timeout must be a non-negative number"):
+        await ctx.join(timeout=value)
+    with pytest.raises(ValueError, match=r"grace_period must be a non-negative number"):
+        await ctx.join(grace_period=value)
+    with pytest.raises(ValueError, match=r"grace_period must be a non-negative number"):
+        await ctx.terminate(grace_period=value)
+    # The group was not touched.
+    assert await ctx.join() is True
+    assert ctx.results == ["ok", "ok"]
+
+
+# open_group
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "fork"])
+async def test_open_group_exit_waits_for_every_rank(start_method: str) -> None:
+    release = multiprocessing.get_context(start_method).Event()
+    async with aiospawn.open_group(
+        ranks.api_wait_for, (release, 4), nprocs=2, start_method=start_method
+    ) as ctx:
+        assert len(ctx.pids()) == 2
+        assert await ctx.join(timeout=0) is False
+        release.set()
+    assert ctx.results == [0, 4]
+    assert [process.exitcode for process in ctx.processes] == [0, 0]
+
+
+@pytest.mark.parametrize(
+    ("exit_code", "expected"),
+    [
+        pytest.param(None, aiospawn.ProcessRaisedException, id="raised"),
+        pytest.param(3, aiospawn.ProcessExitedException, id="exited"),
+    ],
+)
+async def test_open_group_exit_raises_the_failing_ranks_exception_itself(
+    exit_code: int | None, expected: type[aiospawn.ProcessException], events: Events
+) -> None:
+    reader, writer = events
+    release = multiprocessing.get_context("spawn").Event()
+
+    async def block() -> None:
+        async with aiospawn.open_group(
+            ranks.api_fail_on_release, (1, release, writer, False, exit_code), nprocs=2
+        ):
+            await receive_ready(reader, 1)
+            release.set()
+
+    with pytest.raises(aiospawn.ProcessException) as info:
+        await block()
+    assert type(info.value) is expected
+    assert info.value.error_index == 1
+    assert drain(reader) == [("SIGTERM", 0)]
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "fork"])
+async def test_an_exception_in_the_block_stops_the_ranks_and_propagates_unchanged(
+    start_method: str, events: Events
+) -> None:
+    reader, writer = events
+    error = RuntimeError("the block failed")
+    pids: dict[int, int] = {}
+
+    async def block() -> None:
+        async with aiospawn.open_group(
+            ranks.api_record_sigterm, (writer,), nprocs=2, start_method=start_method
+        ):
+            pids.update(await receive_ready(reader, 2))
+            raise error
+
+    with pytest.raises(RuntimeError) as info:
+        await block()
+    assert info.value is error
+    assert sorted(drain(reader)) == [("SIGTERM", 0), ("SIGTERM", 1)]
+    assert all(is_gone(pid) for pid in pids.values())
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "fork"])
+async def test_a_rank_failing_cancels_the_blocked_body_and_the_block_raises_its_exception(
+    start_method: str,
+) -> None:
+    pids: list[int] = []
+    body_went_on = False
+
+    async def block() -> None:
+        nonlocal body_went_on
+        async with aiospawn.open_group(
+            ranks.raise_in, (1,), nprocs=2, start_method=start_method
+        ) as ctx:
+            pids.extend(ctx.pids())
+            await anyio.sleep_forever()
+            body_went_on = True
+
+    start = anyio.current_time()
+    with pytest.raises(aiospawn.ProcessException) as info:
+        await block()
+    assert type(info.value) is aiospawn.ProcessRaisedException
+    assert info.value.error_index == 1
+    assert not body_went_on
+    assert anyio.current_time() - start < 20  # not the 30 s default grace period
+    assert all(is_gone(pid) for pid in pids)
+
+
+# Cancellation
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "fork"])
+async def test_cancelling_start_processes_terminates_the_ranks_gracefully(
+    start_method: str, events: Events
+) -> None:
+    reader, writer = events
+    scope = anyio.CancelScope()
+
+    async def run() -> None:
+        with scope:
+            await aiospawn.start_processes(
+                ranks.api_record_sigterm,
+                (writer,),
+                nprocs=2,
+                start_method=start_method,
+                grace_period=1,
+            )
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run)
+        pids = await receive_ready(reader, 2)
+        await anyio.wait_all_tasks_blocked()
+        scope.cancel()
+    assert scope.cancelled_caught
+    assert sorted(drain(reader)) == [("SIGTERM", 0), ("SIGTERM", 1)]
+    assert all(is_gone(pid) for pid in pids.values())
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "fork"])
+async def test_cancelling_the_scope_around_open_group_terminates_the_ranks_gracefully(
+    start_method: str, events: Events
+) -> None:
+    reader, writer = events
+    scope = anyio.CancelScope()
+
+    async def run() -> None:
+        with scope:
+            async with aiospawn.open_group(
+                ranks.api_record_sigterm,
+                (writer,),
+                nprocs=2,
+                start_method=start_method,
+                grace_period=1,
+            ):
+                await anyio.sleep_forever()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run)
+        pids = await receive_ready(reader, 2)
+        await anyio.wait_all_tasks_blocked()
+        scope.cancel()
+    assert scope.cancelled_caught
+    assert sorted(drain(reader)) == [("SIGTERM", 0), ("SIGTERM", 1)]
+    assert all(is_gone(pid) for pid in pids.values())
+
+
+async def test_a_second_cancellation_does_not_abandon_the_ranks(
+    events: Events, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="aiospawn")
+    reader, writer = events
+    outer = anyio.CancelScope()
+    inner = anyio.CancelScope()
+
+    async def run() -> None:
+        with outer, inner:
+            await aiospawn.start_processes(
+                ranks.api_record_sigterm, (writer, True), nprocs=2, grace_period=1
+            )
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run)
+        pids = await receive_ready(reader, 2)
+        await anyio.wait_all_tasks_blocked()
+        inner.cancel()
+        # Both ranks got SIGTERM and ignore it: the grace period is running.
+        reports = {await receive(reader, "SIGTERM report") for _ in range(2)}
+        assert reports == {("SIGTERM", 0), ("SIGTERM", 1)}
+        outer.cancel()
+    assert outer.cancelled_caught or inner.cancelled_caught
+    assert all(is_gone(pid) for pid in pids.values())
+    kills = [r.getMessage() for r in caplog.records if "SIGKILL" in r.getMessage()]
+    assert len(kills) == 2
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+async def test_cancelling_while_the_ranks_start_leaves_no_process_behind(
+    start_method: str, events: Events
+) -> None:
+    reader, writer = events
+    release = multiprocessing.get_context(start_method).Event()
+    scope = anyio.CancelScope()
+
+    async def run() -> None:
+        with scope:
+            await aiospawn.start_processes(
+                ranks.api_sleep_with,
+                (ranks.ApiHeldArg(writer, release), BIG),
+                nprocs=2,
+                start_method=start_method,
+                grace_period=1,
+            )
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run)
+        # Both ranks are reading their arguments: both starts are in flight.
+        pids = [(await receive(reader, "unpickling message"))[1] for _ in range(2)]
+        scope.cancel()
+        await anyio.wait_all_tasks_blocked()
+        release.set()  # the ranks' imports finish; the starts complete
+    assert scope.cancelled_caught
+    assert all(is_gone(pid) for pid in pids)
+
+
+# The event loop keeps running
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+async def test_the_loop_keeps_running_while_the_ranks_start(
+    start_method: str, events: Events
+) -> None:
+    reader, writer = events
+    release = multiprocessing.get_context(start_method).Event()
+    ticked = anyio.Event()
+    results: list[int] = []
+
+    async def ticker() -> None:
+        for _ in range(20):
+            await anyio.sleep(0.01)
+        ticked.set()
+
+    async def run() -> None:
+        results.extend(
+            await aiospawn.start_processes(
+                ranks.api_return_rank,
+                (ranks.ApiHeldArg(writer, release), BIG),
+                nprocs=2,
+                start_method=start_method,
+            )
+        )
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run)
+        for _ in range(2):
+            await receive(reader, "unpickling message")
+        tg.start_soon(ticker)
+        with anyio.fail_after(30):  # a loop blocked by the starts would never tick
+            await ticked.wait()
+        assert results == []
+        release.set()
+    assert results == [0, 1]
