@@ -11,7 +11,10 @@ from aiospawn._wire import HEADER, FrameReader, Kind, header
 PAYLOAD = b"the rank's pickled result \x00\xff" * 10
 
 
-def frame_bytes(kind: Kind, payload: bytes) -> bytes:
+KINDS = [Kind.RETURNED, Kind.RAISED, Kind.EXITED]
+
+
+def frame_bytes(kind: int, payload: bytes) -> bytes:
     return header(kind, len(payload)) + payload
 
 
@@ -51,8 +54,8 @@ def test_a_frame_fed_byte_by_byte() -> None:
     assert reader.frame() == (Kind.RAISED, PAYLOAD)
 
 
-@pytest.mark.parametrize("kind", list(Kind))
-def test_an_empty_payload_is_complete_with_its_header(kind: Kind) -> None:
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_empty_payload_is_complete_with_its_header(kind: int) -> None:
     reader = FrameReader()
     reader.feed(header(kind, 0)[:-1])
     assert reader.frame() is None
@@ -77,10 +80,10 @@ def test_an_incomplete_frame_gives_none(cut: int) -> None:
     payload=st.binary(max_size=2000),
     trailing=st.binary(min_size=1, max_size=50),
     chunk=st.integers(min_value=1, max_value=3000),
-    kind=st.sampled_from(Kind),
+    kind=st.sampled_from(KINDS),
 )
 def test_wanted_never_asks_past_the_frame(
-    payload: bytes, trailing: bytes, chunk: int, kind: Kind
+    payload: bytes, trailing: bytes, chunk: int, kind: int
 ) -> None:
     """Whatever follows the frame on the pipe (here ``trailing``) is never read."""
     reader, unread = read_like_the_watcher(frame_bytes(kind, payload) + trailing, chunk)

@@ -40,20 +40,18 @@ no asyncio): a rank costs the interpreter plus the user's own imports.
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import os
 import pickle
 import select
 import signal
 import sys
-import threading
 import time
-import traceback
 from collections.abc import Callable
-from multiprocessing.connection import Connection
 from typing import Any, NamedTuple
 
-from ._wire import Kind, header
+from ._wire import ChildEnd, Kind, header
 
 
 class RankSetup(NamedTuple):
@@ -72,15 +70,15 @@ class RankSetup(NamedTuple):
     supervisor_pid: int
     supervisor_is_parent: bool
     env: dict[str, str] | None = None
-    stdout: Connection | str | None = None
-    stderr: Connection | str | None = None
+    stdout: ChildEnd | str | None = None
+    stderr: ChildEnd | str | None = None
 
 
 def run_rank(
     fn: Callable[..., Any],
     rank: int,
     args: tuple[Any, ...],
-    channel: Connection,
+    channel: ChildEnd,
     setup: RankSetup,
 ) -> None:
     """Run ``fn(rank, *args)`` as rank ``rank`` and report how it ended.
@@ -99,7 +97,7 @@ def run_rank(
         os.environ.update(setup.env)
     _redirect(sys.stdout, 1, setup.stdout)
     _redirect(sys.stderr, 2, setup.stderr)
-    fd = channel.fileno()
+    fd = channel.fd
     try:
         value = fn(rank, *args)
     except SystemExit as exc:
@@ -119,7 +117,7 @@ def run_rank(
     _send_value(fd, value)
 
 
-def _redirect(stream: Any, fd: int, target: Connection | str | None) -> None:
+def _redirect(stream: Any, fd: int, target: ChildEnd | str | None) -> None:
     # At the descriptor level, so that C extensions and the rank's own children
     # write there too.
     if target is None:
@@ -131,8 +129,8 @@ def _redirect(stream: Any, fd: int, target: Connection | str | None) -> None:
         os.dup2(new, fd)
         os.close(new)
     else:
-        os.dup2(target.fileno(), fd)
-        target.close()
+        os.dup2(target.fd, fd)
+        os.close(target.fd)
         # Lines reach the supervisor as they are written, as with python -u.
         if stream is not None and hasattr(stream, "reconfigure"):
             stream.reconfigure(line_buffering=True)
@@ -150,10 +148,13 @@ def _restore_default_signals() -> None:
     # dispositions (a background job ignores SIGINT). SIGPIPE stays ignored,
     # as in any Python program.
     signal.set_wakeup_fd(-1)
-    for signum in signal.valid_signals():
+    for signum in range(1, signal.NSIG):  # plain ints: Signals enums cost a rank's start-up
         if signum in (signal.SIGKILL, signal.SIGSTOP):
             continue
-        handler = signal.getsignal(signum)
+        try:
+            handler = signal.getsignal(signum)
+        except ValueError:  # reserved by the C library
+            continue
         if signum == signal.SIGINT:
             wanted: Any = signal.default_int_handler
         elif signum == signal.SIGTERM or callable(handler):
@@ -180,12 +181,8 @@ def _guard_supervisor(supervisor_pid: int, supervisor_is_parent: bool) -> None:
         supervisor_fd = None
     if supervisor_is_parent and os.getppid() != supervisor_pid:
         _kill_own_group()  # it died before pidfd_open(): the pid may be reused
-    threading.Thread(
-        target=_die_with_supervisor,
-        args=(supervisor_pid, supervisor_fd),
-        name="aiospawn-supervisor-guard",
-        daemon=True,
-    ).start()
+    # A bare thread: threading.Thread's start-up handshake costs every rank.
+    _thread.start_new_thread(_die_with_supervisor, (supervisor_pid, supervisor_fd))
 
 
 def _die_with_supervisor(supervisor_pid: int, supervisor_fd: int | None) -> None:
@@ -230,6 +227,8 @@ def _send_value(fd: int, value: Any) -> None:
 
 
 def _send_exception(fd: int, exc: BaseException) -> None:
+    import traceback
+
     text = "".join(traceback.format_exception(exc))
     type_name = f"{type(exc).__module__}.{type(exc).__qualname__}"
     try:
@@ -239,7 +238,7 @@ def _send_exception(fd: int, exc: BaseException) -> None:
     _send(fd, Kind.RAISED, pickle.dumps((exc_pickle, type_name, text)))
 
 
-def _send(fd: int, kind: Kind, payload: bytes) -> None:
+def _send(fd: int, kind: int, payload: bytes) -> None:
     try:
         _write_all(fd, header(kind, len(payload)))
         _write_all(fd, payload)

@@ -241,6 +241,8 @@ class AsyncProcessContext(Generic[T]):
     def _on_exit(self, exit: RankExit) -> None:
         if self._root is None and not exit.succeeded and not exit.stopped_by_us:
             self._root = exit
+            if self._body is not None:  # an async with block runs: stop it now
+                self._body.cancel_scope.cancel()
         if self._capture is not None and self._all_exited():
             self._capture.close()
 

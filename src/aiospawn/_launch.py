@@ -3,10 +3,10 @@
 ``Process.start()`` can block: under ``spawn`` and ``forkserver`` it writes the
 pickled ``fn`` and ``args`` into a 64 KiB pipe and waits until the child has
 read them, which happens only after the child has imported ``fn``'s module
-(torch issue 133010). So every start runs on a worker thread, and the starts of
-a group run side by side: N ranks take about one rank's start time. ``fork``
-starts go one at a time, since a fork copies the parent and gains nothing
-from company. Each process object exists before its start, and starts are
+(torch issue 133010). So those starts run on worker threads, side by side: N
+ranks take about one rank's start time. A ``fork`` start never waits for the
+child; those run on the event-loop thread, one at a time, with a checkpoint
+between them. Each process object exists before its start, and starts are
 never abandoned on cancellation, so no rank can start behind our back.
 """
 
@@ -22,10 +22,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
+from anyio.lowlevel import checkpoint
 
 from ._child import RankSetup, run_rank
 from ._outcome import RankExit
 from ._output import CaptureBuffer, OutputSpec, RankOutput
+from ._pipes import rank_pipe
 from ._watch import LocalRank
 
 START_METHODS = ("spawn", "fork", "forkserver")
@@ -170,9 +172,9 @@ def make_rank(
     """Create (without starting) the :class:`LocalRank` for rank ``index`` of ``spec``."""
     # typeshed gives get_context(str) the BaseContext type, which lacks Process.
     context: Any = multiprocessing.get_context(spec.start_method)
-    reader, writer = context.Pipe(duplex=False)
+    reader, writer = rank_pipe()
     env = spec.env(index) if callable(spec.env) else spec.env
-    output = RankOutput(spec.output, index, context, capture)
+    output = RankOutput(spec.output, index, capture)
     setup = RankSetup(
         supervisor_pid=os.getpid(),
         supervisor_is_parent=spec.start_method != "forkserver",
@@ -207,7 +209,6 @@ async def start_ranks(ranks: Sequence[LocalRank], start_method: str) -> None:
     Raises:
         Exception: The start error of the lowest failing rank, with a note naming it.
     """
-    limiter = anyio.CapacityLimiter(1 if start_method == "fork" else START_CONCURRENCY)
     errors: dict[int, Exception] = {}
 
     async def start_one(rank: LocalRank) -> None:
@@ -217,9 +218,21 @@ async def start_ranks(ranks: Sequence[LocalRank], start_method: str) -> None:
             errors[rank.rank] = exc
 
     try:
-        async with anyio.create_task_group() as tg:
+        if start_method == "fork":
+            # A fork never waits for the child, so a worker thread would only
+            # add a round trip per rank; fork on this thread, one at a time,
+            # letting other tasks run in between.
             for rank in ranks:
-                tg.start_soon(start_one, rank)
+                await checkpoint()
+                try:
+                    rank.start()
+                except Exception as exc:
+                    errors[rank.rank] = exc
+        else:
+            limiter = anyio.CapacityLimiter(START_CONCURRENCY)
+            async with anyio.create_task_group() as tg:
+                for rank in ranks:
+                    tg.start_soon(start_one, rank)
     finally:
         for rank in ranks:
             if not rank.started:

@@ -37,7 +37,7 @@ class RankExit:
     rank: int
     pid: int
     exit_code: int
-    frame: tuple[Kind, bytes] | None
+    frame: tuple[int, bytes] | None
     stopped_by_us: bool
     stderr_tail: tuple[str, ...] = ()
 

@@ -27,11 +27,13 @@ import os
 import sys
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
 import anyio
+
+from ._pipes import close_watched, rank_pipe
+from ._wire import ChildEnd
 
 STREAMS = ("stdout", "stderr")
 MODES = ("inherit", "prefix", "capture", "devnull")
@@ -153,13 +155,13 @@ class StreamReader:
 
     def __init__(
         self,
-        reader: Connection,
+        reader: int,
         name: str,
         sinks: list[Callable[[bytes], None]],
         capture: CaptureBuffer | None,
     ) -> None:
         self.name = name
-        self._reader = reader
+        self._reader: int | None = reader
         self._sinks = sinks
         self._capture = capture
         self._partial = b""
@@ -168,37 +170,42 @@ class StreamReader:
 
     def prepare(self) -> None:
         """Make the pipe non-blocking, once the rank has its end."""
-        os.set_blocking(self._reader.fileno(), False)
+        assert self._reader is not None
+        os.set_blocking(self._reader, False)
 
     async def pump(self) -> None:
         """Read lines as the rank writes them, until end-of-file or cancellation."""
-        fd = self._reader.fileno()
         while not self._eof:
             if self._capture is not None:
                 await self._capture.wait_for_room()
+            if self._reader is None:  # drained and closed: the rank has exited
+                return
             try:
-                await anyio.wait_readable(fd)
+                await anyio.wait_readable(self._reader)
             except anyio.ClosedResourceError:
                 return
             self._read(limit=1)
 
     def drain(self) -> None:
         """After the rank exited: read what is left without waiting, then close."""
-        if self._reader.closed:
+        if self._reader is None:
             return
         self._read(limit=None)
         if self._partial:
             self._emit(self._partial)
             self._partial = b""
-        anyio.notify_closing(self._reader.fileno())
-        self._reader.close()
+        close_watched(self._reader)
+        self._reader = None
 
     def close(self) -> None:
         """Release the pipe without reading (the rank never started)."""
-        self._reader.close()
+        if self._reader is not None:
+            os.close(self._reader)
+            self._reader = None
 
     def _read(self, limit: int | None) -> None:
-        fd = self._reader.fileno()
+        fd = self._reader
+        assert fd is not None
         reads = 0
         while not self._eof and (limit is None or reads < limit):
             try:
@@ -239,7 +246,6 @@ class RankOutput:
     Args:
         spec: The group's output spec.
         rank: The rank's index.
-        context: The multiprocessing context, to make pipes the rank can receive.
         capture: The group's capture buffer, if a stream is captured.
         restart: The rank's restart count, for the prefix.
     """
@@ -248,7 +254,6 @@ class RankOutput:
         self,
         spec: OutputSpec,
         rank: int,
-        context: Any,
         capture: CaptureBuffer | None,
         restart: int = 0,
     ) -> None:
@@ -256,9 +261,9 @@ class RankOutput:
         self._restart = restart
         self._template = spec.prefix
         self._prefix = b""
-        self.targets: dict[str, Connection | str | None] = {}
+        self.targets: dict[str, ChildEnd | str | None] = {}
         self.streams: list[StreamReader] = []
-        self._child_ends: list[Connection] = []
+        self._child_ends: list[ChildEnd] = []
         self._log_fds: list[int] = []
         for name in STREAMS:
             mode = spec.modes[name]
@@ -271,7 +276,7 @@ class RankOutput:
                 log.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
                 self.targets[name] = str(log)
             else:
-                reader, writer = context.Pipe(duplex=False)
+                reader, writer = rank_pipe()
                 self._child_ends.append(writer)
                 self.targets[name] = writer
                 sinks: list[Callable[[bytes], None]] = []
@@ -292,7 +297,7 @@ class RankOutput:
             rank=self._rank, pid=pid, restart=self._restart
         ).encode()
         for end in self._child_ends:
-            end.close()
+            os.close(end.fd)
         self._child_ends.clear()
         for stream in self.streams:
             stream.prepare()
@@ -306,7 +311,7 @@ class RankOutput:
     def discard(self) -> None:
         """Close everything of a rank that never started."""
         for end in self._child_ends:
-            end.close()
+            os.close(end.fd)
         self._child_ends.clear()
         for stream in self.streams:
             stream.close()

@@ -12,6 +12,7 @@ import signal
 from collections.abc import Sequence
 
 import anyio
+from anyio.lowlevel import checkpoint
 
 from ._watch import LocalRank
 
@@ -53,6 +54,7 @@ async def shut_down(
             logger.warning(
                 "Terminating process %s via signal SIGTERM (rank %d)", rank.pid, rank.rank
             )
+        await checkpoint()  # signalling many ranks takes a while: let the loop breathe
     term_wait = DEFAULT_GRACE_PERIOD if grace_period is None else grace_period
     with anyio.move_on_after(term_wait):
         await _wait_for_exits(live)
@@ -65,6 +67,7 @@ async def shut_down(
                 rank.rank,
                 term_wait,
             )
+        await checkpoint()
     with anyio.move_on_after(REAP_TIMEOUT):
         await _wait_for_exits(live)
     stuck = [rank for rank in live if rank.poll() is None]

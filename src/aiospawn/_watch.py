@@ -21,14 +21,14 @@ import multiprocessing.process
 import os
 import signal
 from collections.abc import Callable
-from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
 import anyio
 
 from ._outcome import RankExit
 from ._output import RankOutput
-from ._wire import FrameReader
+from ._pipes import close_watched
+from ._wire import ChildEnd, FrameReader
 
 _READ_CHUNK = 256 * 1024
 
@@ -53,8 +53,8 @@ class LocalRank:
         self,
         rank: int,
         process: BaseProcess,
-        reader: Connection,
-        writer: Connection,
+        reader: int,
+        writer: ChildEnd,
         output: RankOutput,
         *,
         exit_via_sentinel: bool,
@@ -62,8 +62,8 @@ class LocalRank:
     ) -> None:
         self.rank = rank
         self.process = process
-        self._reader = reader
-        self._writer: Connection | None = writer
+        self._reader: int | None = reader
+        self._writer: ChildEnd | None = writer
         self._output = output
         self._exit_via_sentinel = exit_via_sentinel
         self._on_exit = on_exit
@@ -101,7 +101,7 @@ class LocalRank:
             self.process.start()
         finally:
             assert self._writer is not None
-            self._writer.close()  # the rank holds its own copy now
+            os.close(self._writer.fd)  # the rank holds its own copy now
             self._writer = None
         # cpython#148318: Process.start() on any thread reaps whichever of the
         # children it knows of have exited; two threads reaping one child can
@@ -116,15 +116,18 @@ class LocalRank:
             self._exit_fd = self._pidfd
         else:
             self._exit_fd = self.process.sentinel
-        os.set_blocking(self._reader.fileno(), False)
+        assert self._reader is not None
+        os.set_blocking(self._reader, False)
         self._started = True
 
     def discard(self) -> None:
         """Release the pipes of a rank whose start failed."""
         if self._writer is not None:
-            self._writer.close()
+            os.close(self._writer.fd)
             self._writer = None
-        self._reader.close()
+        if self._reader is not None:
+            os.close(self._reader)
+            self._reader = None
         self._output.discard()
 
     def poll(self) -> RankExit | None:
@@ -187,6 +190,7 @@ class LocalRank:
                 tg.start_soon(stream.pump)
             with contextlib.suppress(anyio.ClosedResourceError):
                 await anyio.wait_readable(self._exit_fd)
+            self.poll()  # report the exit before the readers unwind
             tg.cancel_scope.cancel()
         while self.poll() is None:
             # Readable, yet no exit status. A plain sentinel becomes readable a
@@ -196,18 +200,18 @@ class LocalRank:
             await anyio.to_thread.run_sync(self.process.join, 0.1)
 
     async def _read_until_complete(self) -> None:
-        fd = self._reader.fileno()
         while self._exit is None and not (self._frame.complete or self._result_eof):
+            assert self._reader is not None  # closed only once the exit is recorded
             try:
-                await anyio.wait_readable(fd)
+                await anyio.wait_readable(self._reader)
             except anyio.ClosedResourceError:
                 return
             self._read_available()
 
     def _read_available(self) -> None:
-        if self._reader.closed:
+        fd = self._reader
+        if fd is None:
             return
-        fd = self._reader.fileno()
         while not (self._frame.complete or self._result_eof):
             try:
                 data = os.read(fd, min(self._frame.wanted, _READ_CHUNK))
@@ -229,12 +233,8 @@ class LocalRank:
             stopped_by_us=self._stopped_by_us,
             stderr_tail=self._output.stderr_tail(),
         )
-        # Wake our own waiters before closing what they wait on; closing a
-        # watched fd without notify_closing() leaves its waiter hanging.
-        anyio.notify_closing(self._reader.fileno())
-        self._reader.close()
-        if self._pidfd is not None:
-            anyio.notify_closing(self._pidfd)
-            os.close(self._pidfd)
-            self._pidfd = None
+        for fd in (self._reader, self._pidfd):
+            if fd is not None:
+                close_watched(fd)
+        self._reader = self._pidfd = None
         self._on_exit(self._exit)

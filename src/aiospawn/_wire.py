@@ -16,24 +16,52 @@ only (see ``_child``).
 
 from __future__ import annotations
 
-import enum
 import struct
+from typing import Any, Final
 
 HEADER = struct.Struct("!BQ")
 
 
-class Kind(enum.IntEnum):
-    """What a frame's payload holds."""
+class Kind:
+    """What a frame's payload holds (plain ints: an enum would cost every rank its set-up)."""
 
     #: ``pickle(value)``: ``fn`` returned, or called ``sys.exit()`` with 0 or None.
-    RETURNED = 1
+    RETURNED: Final = 1
     #: ``pickle((exception_pickle_or_None, type_name, traceback_text))``.
-    RAISED = 2
+    RAISED: Final = 2
     #: ``pickle((exit_code, text_or_None))``: ``fn`` called ``sys.exit(n)``.
-    EXITED = 3
+    EXITED: Final = 3
 
 
-def header(kind: Kind, size: int) -> bytes:
+class ChildEnd:
+    """A pipe end handed to a rank: a plain fd, duplicated into the rank when pickled.
+
+    ``multiprocessing`` pickles a rank's arguments under ``spawn`` and
+    ``forkserver``; there, the fd is passed with the process (its ``DupFd``
+    mechanism), and the rank gets a ``ChildEnd`` of its own copy. Under ``fork``
+    the object is inherited as it is. Unlike ``multiprocessing.connection``'s
+    objects it costs the rank no imports.
+    """
+
+    __slots__ = ("fd",)
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        from multiprocessing import reduction
+
+        return _rebuild_child_end, (reduction.DupFd(self.fd),)
+
+    def __repr__(self) -> str:
+        return f"<ChildEnd fd={self.fd}>"
+
+
+def _rebuild_child_end(duplicate: Any) -> ChildEnd:
+    return ChildEnd(duplicate.detach())
+
+
+def header(kind: int, size: int) -> bytes:
     """Return the header that precedes a payload of ``size`` bytes."""
     return HEADER.pack(kind, size)
 
@@ -44,7 +72,7 @@ class FrameReader:
     def __init__(self) -> None:
         self._chunks: list[bytes] = []
         self._buffered = 0
-        self._kind: Kind | None = None
+        self._kind: int | None = None
         self._size = 0
 
     @property
@@ -60,18 +88,17 @@ class FrameReader:
         return self._size - self._buffered
 
     def feed(self, data: bytes) -> None:
-        """Add bytes read from the pipe; the frame never takes more than it needs."""
+        """Add bytes read from the pipe (at most :attr:`wanted` at a time)."""
         self._chunks.append(data)
         self._buffered += len(data)
         if self._kind is None and self._buffered >= HEADER.size:
             joined = b"".join(self._chunks)
-            kind, self._size = HEADER.unpack_from(joined)
-            self._kind = Kind(kind)
+            self._kind, self._size = HEADER.unpack_from(joined)
             rest = joined[HEADER.size :]
             self._chunks = [rest]
             self._buffered = len(rest)
 
-    def frame(self) -> tuple[Kind, bytes] | None:
+    def frame(self) -> tuple[int, bytes] | None:
         """Return ``(kind, payload)`` once complete, else ``None``."""
         if not self.complete:
             return None

@@ -1,0 +1,856 @@
+"""The ``aiospawn`` command: run a script, a module, a function or any program as N ranks.
+
+Usage::
+
+    aiospawn run [options] script.py [args...]              # the script as __main__
+    aiospawn run [options] -m package.module [args...]      # the module as __main__
+    aiospawn run [options] --fn package.module:function [args...]  # function(rank, *args)
+    aiospawn run [options] --no-python program [args...]    # any executable
+
+(``python -m aiospawn`` is the same command.) Everything after the target is
+passed to it untouched; the launcher's options come before the target.
+
+How each rank runs its target::
+
+    aiospawn (launcher) ── anyio.run (asyncio) ── aiospawn.start_processes(rank_*, ...)
+      │  signals: SIGINT SIGTERM SIGHUP SIGQUIT → graceful shutdown, exit 128+signal
+      ├── rank 0 (own process group) ─ runpy: script/module as __main__, sys.argv set
+      ├── rank 1 (own process group) ─ --fn: import module, call function(rank, *args)
+      └── ...                          ─ --no-python: program as a child process, in the
+                                         rank's process group; its exit status becomes the rank's
+
+Launch modes:
+
+* ``script.py``: each rank runs the file as ``__main__`` (``runpy.run_path``)
+  with ``sys.argv = [script.py, *args]`` and the script's directory first on
+  ``sys.path``, as ``python script.py`` does. ``sys.exit(n)`` sets the rank's
+  exit code; an uncaught exception prints its traceback to the rank's stderr
+  and makes the rank fail (exit status 1).
+* ``-m package.module``: the same with ``runpy.run_module``, the current
+  directory first on ``sys.path``, as ``python -m`` does.
+* ``--fn package.module:function``: each rank imports the module and calls
+  ``function(rank, *args)``, the arguments as strings. The launcher imports the
+  module once first, to check that the function exists. What it returns is
+  ignored.
+* ``--no-python program``: each rank runs ``program args...`` as a child
+  process in the rank's process group, with the rank's environment and its
+  stdout and stderr, and ends as the program ends: with its exit code, or
+  killed by the same signal. A SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1 or
+  SIGUSR2 sent to the rank is passed on to the program. The program dies with
+  the rank, even if the rank is SIGKILLed.
+
+The rank's environment is set before the target's code is imported. Every
+rank gets the variables ``torchrun`` sets for a single node: ``RANK``,
+``LOCAL_RANK`` (both the rank), ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE`` (both
+``--nprocs``), ``GROUP_RANK=0``, ``MASTER_ADDR=127.0.0.1`` and ``MASTER_PORT``
+(a port that was free on 127.0.0.1 when the launcher started), plus
+``OMP_NUM_THREADS=1`` when it is unset and there is more than one rank (a one-line
+note on stderr says so), then the ``--env KEY=VALUE`` pairs, which win.
+
+Options:
+
+* ``-n/--nprocs N|auto`` (also ``--nproc-per-node``): how many ranks; ``auto``
+  is ``os.cpu_count()``. Default 1.
+* ``--start-method spawn|forkserver|fork``: default ``spawn``.
+* ``--grace-period SECONDS``: on a failure, how long the other ranks may take to
+  exit by themselves, and between SIGTERM and SIGKILL during a shutdown.
+  Default: aiospawn's (no wait after a failure, then 30 s from SIGTERM to SIGKILL).
+* ``--stdout MODE`` / ``--stderr MODE``: ``prefix`` (each line on the
+  launcher's stream behind ``[rankN]: ``), ``inherit`` (the launcher's stream,
+  untouched), ``devnull``, or a directory (files ``rankN.stdout`` and
+  ``rankN.stderr``, mode 0600, in a directory made with mode 0700). Default
+  ``prefix`` with more than one rank, else ``inherit``. A directory called
+  ``prefix``, ``inherit``, ``devnull`` or ``capture`` is written ``./prefix``.
+* ``--log-dir DIR``: both streams to files under ``DIR`` (an explicit
+  ``--stdout``/``--stderr`` wins for its stream).
+* ``--tee``: with ``--log-dir`` or a directory mode: also each line on the
+  launcher's streams, behind the prefix.
+* ``--env KEY=VALUE``: an environment variable for every rank; repeatable.
+* ``-v/--verbose``: a one-line summary after a successful run too.
+* ``--max-restarts`` / ``--restart-window``: accepted for ``torchrun``
+  compatibility only with no restarts (``--max-restarts 0``); restarts are not
+  available yet, and anything else is refused.
+
+If the launcher's stdout or stderr is a pipe whose reader has gone (``| head``),
+the launcher dies of SIGPIPE as other command-line tools do, and its ranks die
+with it.
+
+Signals: SIGINT, SIGTERM, SIGHUP and SIGQUIT make the launcher shut the ranks
+down gracefully (SIGTERM to each rank's process group, the grace period, then
+SIGKILL), print the summary, and exit with 128 + the signal's number (130 for
+Ctrl-C, 143 for SIGTERM). A second SIGINT (Ctrl-C again) SIGKILLs the ranks
+at once. Each rank leads its own process group, so a terminal's Ctrl-C reaches
+only the launcher, which decides. If the launcher is killed, even by SIGKILL,
+every rank dies with it, with its children.
+
+Exit status: 0 when every rank succeeded; otherwise that of the first rank
+that failed by itself (the root cause): its exit code, 128 + its signal's
+number if a signal killed it, or 1 if it raised an exception. 2 for bad usage,
+before anything starts. After a failure or a signal, stderr ends with a
+summary: the root cause with the last lines of its stderr (when its stderr
+passes through the launcher: ``prefix`` or ``--tee``), and a table of every
+rank's pid, exit code or signal, and duration. A successful run prints
+nothing but the ranks' own output (and the ``OMP_NUM_THREADS`` note).
+
+The functions ``rank_script``, ``rank_module``, ``rank_function`` and
+``rank_program`` are what the ranks run; they live at the top level of this
+module so that ``spawn`` can send them. This module imports only ``os`` and
+``sys`` at the top, so a rank pays for nothing else.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import TYPE_CHECKING, Any, NoReturn
+
+if TYPE_CHECKING:
+    import argparse
+    from collections.abc import Callable, Sequence
+
+    from ._context import AsyncProcessContext
+
+__all__ = ["main", "rank_function", "rank_module", "rank_program", "rank_script"]
+
+#: Signals that make the launcher shut the ranks down.
+SHUTDOWN_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
+
+#: Signals a ``--no-python`` rank passes on to its program.
+FORWARDED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+
+STREAM_MODES = ("prefix", "inherit", "devnull")
+
+_PROG = "aiospawn"
+
+
+# --------------------------------------------------------------------------- ranks
+# What each rank runs. Called as fn(rank, *args) in the rank's process, after
+# the rank's environment and output streams are in place.
+
+
+def rank_script(rank: int, path: str, args: list[str]) -> None:
+    """Run the file ``path`` as ``__main__`` with ``sys.argv = [path, *args]``."""
+    import runpy
+
+    sys.argv = [path, *args]
+    sys.path[0] = os.path.dirname(os.path.abspath(path))
+    # As python script.py does: __file__ is absolute, sys.argv[0] as given.
+    _run_user_code(lambda: runpy.run_path(os.path.abspath(path), run_name="__main__"))
+
+
+def rank_module(rank: int, name: str, args: list[str]) -> None:
+    """Run the module ``name`` as ``__main__``, as ``python -m name *args`` does."""
+    import runpy
+
+    sys.argv = [name, *args]  # run_module puts the module's file in argv[0]
+    sys.path[0] = os.getcwd()
+    _run_user_code(lambda: runpy.run_module(name, run_name="__main__", alter_sys=True))
+
+
+def rank_function(rank: int, target: str, args: list[str]) -> None:
+    """Import ``module:function`` and call ``function(rank, *args)``."""
+    sys.argv = [target, *args]
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    _run_user_code(lambda: resolve_function(target)(rank, *args))
+
+
+def rank_program(rank: int, argv: list[str]) -> None:
+    """Run ``argv`` as a child process and end as it ends (exit code or signal)."""
+    import contextlib
+    import signal
+    import subprocess
+
+    program: subprocess.Popen[bytes] | None = None
+    pidfd: int | None = None
+    pending: list[int] = []
+
+    def forward(signum: int, frame: object) -> None:
+        if program is None:
+            pending.append(signum)
+        elif program.returncode is None:
+            # Through a pidfd: once the program is reaped, its pid may be reused.
+            # ESRCH: reaped by wait() a moment ago, returncode not yet set.
+            with contextlib.suppress(ProcessLookupError):
+                if pidfd is not None:
+                    signal.pidfd_send_signal(pidfd, signum)
+                else:
+                    os.kill(program.pid, signum)
+
+    forwarded = [getattr(signal, name) for name in FORWARDED_SIGNALS]
+    for signum in forwarded:
+        signal.signal(signum, forward)  # handlers reset to default in the program (exec)
+    try:
+        program = subprocess.Popen(argv, preexec_fn=_die_with_parent())
+    except OSError as exc:
+        print(f"aiospawn: rank {rank} cannot run {argv[0]!r}: {exc}", file=sys.stderr)
+        sys.exit(126 if isinstance(exc, PermissionError) else 127)
+    try:
+        pidfd = os.pidfd_open(program.pid)
+    except (AttributeError, OSError):  # no pidfd: not Linux, or Linux < 5.3
+        pidfd = None
+    for signum in pending:
+        forward(signum, None)
+    returncode = program.wait()  # PEP 475: retried after each forwarded signal
+    if pidfd is not None:
+        os.close(pidfd)
+    if returncode >= 0:
+        sys.exit(returncode)  # 0 is success, as for any rank
+    # Killed by a signal: die of the same one, so the launcher reports it.
+    signum = -returncode
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signum])
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+    os._exit(128 + signum)  # a signal whose default action is not to terminate
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the program get SIGKILL when the rank dies.
+
+    The rank's supervisor guard kills the rank's process group when the
+    launcher dies; this covers the rank itself dying first (say, SIGKILLed
+    alone), which would otherwise leave the program running. prctl(2): the
+    signal comes when the thread that forked the program exits, here the
+    rank's main thread, which lives as long as the rank.
+    """
+    try:
+        import ctypes
+        import signal
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (ImportError, OSError, AttributeError):  # not Linux
+        return None
+    parent = os.getpid()
+    pr_set_pdeathsig = 1
+
+    def preexec() -> None:
+        prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the rank died before prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
+def _run_user_code(run: Callable[[], object]) -> None:
+    """Run the user's code; print an uncaught exception's traceback as Python would."""
+    import runpy
+    import signal
+
+    # As at any Python program's start (a fork rank inherits the launcher's default).
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    try:
+        run()
+    except SystemExit:
+        raise
+    except BaseException as exc:
+        import traceback
+
+        # The traceback starts in the user's code: this module's frames and
+        # runpy's are not theirs. None left: the call itself failed (say, a
+        # function taking other arguments), and the message says it all.
+        tb = exc.__traceback__
+        ours = {__file__, runpy.__file__, "<frozen runpy>"}
+        while tb is not None and tb.tb_frame.f_code.co_filename in ours:
+            tb = tb.tb_next
+        traceback.print_exception(exc.with_traceback(tb))
+        sys.stderr.flush()
+        raise exc
+
+
+def resolve_function(target: str) -> Callable[..., object]:
+    """Import ``package.module:function`` (the function part may be dotted).
+
+    Raises:
+        ValueError: ``target`` is not ``module:function``, or the function is
+            missing or not callable.
+        ImportError: The module cannot be imported.
+    """
+    import importlib
+
+    module_name, colon, qualname = target.partition(":")
+    if not colon or not module_name or not qualname:
+        raise ValueError(f"--fn wants package.module:function, got {target!r}")
+    value: Any = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        try:
+            value = getattr(value, part)
+        except AttributeError:
+            raise ValueError(f"module {module_name!r} has no function {qualname!r}") from None
+    if not callable(value):
+        raise ValueError(f"{target!r} is not callable, got {value!r}")
+    return value  # type: ignore[no-any-return]
+
+
+# ---------------------------------------------------------------------- command line
+
+
+class UsageError(Exception):
+    """Bad usage: reported as one line on stderr, exit status 2, nothing started."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    import argparse
+
+    class Parser(argparse.ArgumentParser):
+        def error(self, message: str) -> NoReturn:
+            raise UsageError(message)
+
+    parser = Parser(
+        prog=_PROG,
+        description="Run a Python script, module, function or any program as N ranks,"
+        " supervised by aiospawn.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    run = commands.add_parser(
+        "run",
+        help="run a target as N ranks",
+        description="Run TARGET as N ranks, each in its own process with torchrun's"
+        " environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,"
+        " MASTER_ADDR, MASTER_PORT, OMP_NUM_THREADS).",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    run.add_argument(
+        "-n",
+        "--nprocs",
+        "--nproc-per-node",
+        "--nproc_per_node",
+        dest="nprocs",
+        type=_nprocs,
+        default=1,
+        metavar="N",
+        help="number of ranks, or 'auto' for one per CPU (default: 1)",
+    )
+    run.add_argument(
+        "--start-method",
+        choices=("spawn", "forkserver", "fork"),
+        default="spawn",
+        help="how rank processes are made (default: spawn)",
+    )
+    run.add_argument(
+        "--grace-period",
+        type=_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="after a failure, how long the other ranks may take to exit, and the wait from"
+        " SIGTERM to SIGKILL (default: no wait after a failure, 30 s to SIGKILL)",
+    )
+    run.add_argument(
+        "--max-restarts", type=int, default=None, metavar="N", help="only 0: not available yet"
+    )
+    run.add_argument(
+        "--restart-window", type=float, default=None, metavar="SECONDS", help="not available yet"
+    )
+    for stream in ("stdout", "stderr"):
+        run.add_argument(
+            f"--{stream}",
+            type=_stream_mode,
+            default=None,
+            metavar="MODE",
+            help=f"prefix, inherit, devnull or a directory (files rankN.{stream}); default:"
+            " prefix with more than one rank, else inherit",
+        )
+    run.add_argument("--log-dir", default=None, metavar="DIR", help="both streams to files in DIR")
+    run.add_argument(
+        "--tee", action="store_true", help="with files: also to the terminal, behind the prefix"
+    )
+    run.add_argument(
+        "--env",
+        action="append",
+        type=_env_pair,
+        default=[],
+        metavar="KEY=VALUE",
+        help="set a variable in every rank (repeatable)",
+    )
+    run.add_argument(
+        "-v", "--verbose", action="store_true", help="print a summary after a successful run"
+    )
+    kind = run.add_mutually_exclusive_group()
+    kind.add_argument(
+        "-m", "--module", action="store_true", help="TARGET is a module, run as python -m does"
+    )
+    kind.add_argument(
+        "--fn",
+        action="store_true",
+        help="TARGET is module:function, called as function(rank, *ARGS)",
+    )
+    kind.add_argument(
+        "--no-python", action="store_true", help="TARGET is any program, run as it is"
+    )
+    run.add_argument("target", nargs="?", metavar="TARGET", help="script.py, module, or program")
+    run.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="passed to TARGET")
+    return parser
+
+
+_EPILOG = """\
+targets:
+  aiospawn run script.py ARGS            the script as __main__, sys.argv = [script.py, ARGS]
+  aiospawn run -m package.module ARGS    the module as __main__, as python -m does
+  aiospawn run --fn pkg.mod:func ARGS    func(rank, *ARGS), ARGS as strings
+  aiospawn run --no-python prog ARGS     any program, in the rank's process group
+
+environment of each rank:
+  RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK=0, MASTER_ADDR=127.0.0.1,
+  MASTER_PORT (free when chosen), OMP_NUM_THREADS=1 if unset and N > 1; --env wins.
+
+signals:
+  SIGINT, SIGTERM, SIGHUP, SIGQUIT: SIGTERM to the ranks, grace period, SIGKILL;
+  then exit 128 + signal (130 for Ctrl-C). A second Ctrl-C SIGKILLs the ranks at once.
+  If the launcher dies, even by SIGKILL, its ranks die with it.
+
+exit status:
+  0 if every rank succeeded; else the failing rank's exit code, 128 + its signal,
+  or 1 if it raised; 2 for bad usage. Failures end with a summary on stderr.
+"""
+
+
+def _nprocs(text: str) -> int:
+    import argparse
+
+    if text == "auto":
+        return os.cpu_count() or 1
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"wants a positive integer or 'auto', got {text!r}"
+        ) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"wants a positive integer or 'auto', got {text!r}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    import argparse
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value >= 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"wants a non-negative number of seconds, got {text!r}")
+    return value
+
+
+def _stream_mode(text: str) -> str:
+    import argparse
+
+    if text == "capture":
+        raise argparse.ArgumentTypeError(
+            "'capture' is for the Python API (ctx.output()); use prefix, inherit, devnull"
+            " or a directory"
+        )
+    if not text:
+        raise argparse.ArgumentTypeError("wants prefix, inherit, devnull or a directory")
+    return text
+
+
+def _env_pair(text: str) -> tuple[str, str]:
+    import argparse
+
+    key, equals, value = text.partition("=")
+    if not equals or not key:
+        raise argparse.ArgumentTypeError(f"wants KEY=VALUE, got {text!r}")
+    return key, value
+
+
+class _Plan:
+    """A checked ``aiospawn run`` command line: what to start and how."""
+
+    def __init__(self, options: argparse.Namespace) -> None:
+        if options.max_restarts:
+            raise UsageError(
+                f"--max-restarts {options.max_restarts}: restarts are not available yet"
+                " (only --max-restarts 0)"
+            )
+        if options.restart_window is not None:
+            raise UsageError("--restart-window: restarts are not available yet")
+        if options.target is None:
+            raise UsageError(
+                "missing TARGET: a script, -m module, --fn module:function or --no-python program"
+            )
+        self.nprocs: int = options.nprocs
+        self.start_method: str = options.start_method
+        self.grace_period: float | None = options.grace_period
+        self.verbose: bool = options.verbose
+        self.fn, self.args, self.name = _target(options)
+        default = "prefix" if self.nprocs > 1 else "inherit"
+        log_dir = options.log_dir
+        self.stdout: str = options.stdout or log_dir or default
+        self.stderr: str = options.stderr or log_dir or default
+        self.tee: bool = options.tee
+        if self.tee and all(mode in STREAM_MODES for mode in (self.stdout, self.stderr)):
+            raise UsageError("--tee needs --log-dir DIR, or a directory for --stdout or --stderr")
+        self.env = _torchrun_env(self.nprocs, dict(options.env))
+        self.omp_note = "OMP_NUM_THREADS" in self.env.base
+
+    def rank_env(self, rank: int) -> dict[str, str]:
+        """The variables set in rank ``rank``."""
+        return self.env.of(rank)
+
+
+def _target(options: argparse.Namespace) -> tuple[Callable[..., None], tuple[Any, ...], str]:
+    """The rank function and its arguments for the launch mode; UsageError if unusable."""
+    import shutil
+
+    target: str = options.target
+    args: list[str] = list(options.args)
+    if options.module:
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())  # as python -m: the current directory first
+        _check_module(target)
+        return rank_module, (target, args), f"-m {target}"
+    if options.fn:
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        try:
+            resolve_function(target)
+        except Exception as exc:
+            raise UsageError(f"--fn {target}: {exc}") from None
+        return rank_function, (target, args), f"--fn {target}"
+    if options.no_python:
+        if shutil.which(target) is None:
+            raise UsageError(f"--no-python {target}: no such executable program")
+        return rank_program, ([target, *args],), target
+    if not os.path.exists(target):
+        raise UsageError(f"script {target!r} does not exist")
+    return rank_script, (target, args), target
+
+
+def _check_module(name: str) -> None:
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(name)
+    except Exception as exc:  # a parent package failed to import, or a bad name
+        raise UsageError(f"-m {name}: {exc}") from None
+    if spec is None:
+        raise UsageError(f"-m {name}: no module named {name!r}")
+
+
+class _Env:
+    """The environment of every rank: shared variables plus the per-rank ones."""
+
+    def __init__(self, base: dict[str, str], extra: dict[str, str]) -> None:
+        self.base = base
+        self.extra = extra
+
+    def of(self, rank: int) -> dict[str, str]:
+        return {**self.base, "RANK": str(rank), "LOCAL_RANK": str(rank), **self.extra}
+
+
+def _torchrun_env(nprocs: int, extra: dict[str, str]) -> _Env:
+    base = {
+        "WORLD_SIZE": str(nprocs),
+        "LOCAL_WORLD_SIZE": str(nprocs),
+        "GROUP_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+    }
+    if nprocs > 1 and "OMP_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in extra:
+        base["OMP_NUM_THREADS"] = "1"
+    return _Env(base, extra)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+# ------------------------------------------------------------------------ supervision
+
+
+class _Run:
+    """What happened to a run: its group, the ranks' exit times, signals received."""
+
+    def __init__(self, plan: _Plan) -> None:
+        import time
+
+        import anyio
+
+        self.plan = plan
+        self.started_at = time.monotonic()
+        self.group: AsyncProcessContext[Any] | None = None
+        self.pidfds: list[int | None] = []
+        self.exited_at: dict[int, float] = {}
+        self.all_noted = anyio.Event()
+        self.signals: list[int] = []
+        self.failure: BaseException | None = None
+        self.start_error: BaseException | None = None
+        self.usage_error: BaseException | None = None
+        self.finished = False
+
+
+async def _supervise(plan: _Plan) -> int:
+    import signal
+
+    import anyio
+
+    import aiospawn
+
+    run = _Run(plan)
+    signums = [getattr(signal, name) for name in SHUTDOWN_SIGNALS]
+    with anyio.open_signal_receiver(*signums) as received:
+        async with anyio.create_task_group() as tasks:
+            ranks_scope = anyio.CancelScope()
+            tasks.start_soon(_on_signals, received, run, ranks_scope)
+            with ranks_scope:
+                try:
+                    run.group = await aiospawn.start_processes(
+                        plan.fn,
+                        plan.args,
+                        plan.nprocs,
+                        join=False,
+                        start_method=plan.start_method,
+                        grace_period=plan.grace_period,
+                        env=plan.rank_env,
+                        stdout=plan.stdout,
+                        stderr=plan.stderr,
+                        tee=plan.tee,
+                    )
+                except (TypeError, ValueError) as exc:  # raised before anything starts
+                    run.usage_error = exc
+                except Exception as exc:
+                    run.start_error = exc
+                else:
+                    # Before any await: nothing has reaped a rank yet, so each
+                    # pid is still the rank's.
+                    _open_pidfds(run)
+                    if all(pidfd is None for pidfd in run.pidfds):
+                        run.all_noted.set()
+                    for rank, pidfd in enumerate(run.pidfds):
+                        if pidfd is not None:
+                            tasks.start_soon(_note_exit, run, rank, pidfd)
+                    try:
+                        await run.group.join()
+                    except aiospawn.ProcessException as exc:
+                        run.failure = exc
+            run.finished = True
+            if run.group is not None:
+                # Every rank has been reaped: the exit notes are due at once.
+                with anyio.move_on_after(1):
+                    await run.all_noted.wait()
+            tasks.cancel_scope.cancel()
+    for pidfd in run.pidfds:
+        if pidfd is not None:
+            os.close(pidfd)
+    return _report(run)
+
+
+def _open_pidfds(run: _Run) -> None:
+    assert run.group is not None
+    for pid in run.group.pids():
+        try:
+            run.pidfds.append(os.pidfd_open(pid))
+        except (AttributeError, OSError):  # no pidfd (not Linux), or it is gone
+            run.pidfds.append(None)
+
+
+async def _note_exit(run: _Run, rank: int, pidfd: int) -> None:
+    """Record when rank ``rank`` exited: a pidfd of our own turns readable then."""
+    import time
+
+    import anyio
+
+    await anyio.wait_readable(pidfd)
+    run.exited_at[rank] = time.monotonic()
+    if len(run.exited_at) == sum(fd is not None for fd in run.pidfds):
+        run.all_noted.set()
+
+
+async def _on_signals(received: Any, run: _Run, ranks_scope: Any) -> None:
+    import signal
+
+    async for signum in received:
+        if run.finished:
+            continue  # every rank has been reaped: the outcome stands
+        if not run.signals:
+            run.signals.append(signum)
+            grace = run.plan.grace_period
+            until = "30 s" if grace is None else f"{grace:g} s"
+            _say(
+                f"{signal.Signals(signum).name} received: stopping the ranks (SIGTERM, then"
+                f" SIGKILL after {until}; Ctrl-C again kills them now)"
+            )
+            ranks_scope.cancel()
+        elif signum == signal.SIGINT:
+            run.signals.append(signum)
+            _say("SIGINT again: killing the ranks now")
+            _kill_now(run)
+
+
+def _kill_now(run: _Run) -> None:
+    """SIGKILL the process group of every rank that has not exited yet."""
+    import contextlib
+    import select
+    import signal
+
+    if run.group is None:
+        return
+    for pid, pidfd in zip(run.group.pids(), run.pidfds, strict=False):
+        if pidfd is None:
+            continue
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)
+        if poller.poll(0):
+            continue  # it exited: its pid may be reaped and reused, leave it
+        # Alive, so not reaped (the event loop that reaps runs this code), so
+        # its pid still names its process group.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+
+
+# --------------------------------------------------------------------------- reports
+
+
+def _say(line: str) -> None:
+    sys.stdout.flush()
+    print(f"{_PROG}: {line}", file=sys.stderr, flush=True)
+
+
+def _report(run: _Run) -> int:
+    """Print what the run's outcome calls for; return the launcher's exit status."""
+    import time
+
+    import aiospawn
+
+    elapsed = time.monotonic() - run.started_at
+    nprocs = run.plan.nprocs
+    if run.usage_error is not None:
+        _say(f"error: {run.usage_error}")
+        return 2
+    if run.start_error is not None:
+        _say(f"could not start the ranks: {run.start_error!r}")
+        return 1
+    failure = run.failure
+    root = failure.error_index if isinstance(failure, aiospawn.ProcessException) else None
+    if run.signals:
+        status = 128 + run.signals[0]
+    elif failure is None:
+        if run.plan.verbose:
+            _say(
+                f"{nprocs} rank{'s' if nprocs > 1 else ''} of {run.plan.name} succeeded"
+                f" in {elapsed:.2f} s"
+            )
+        return 0
+    elif isinstance(failure, aiospawn.ProcessExitedException):
+        code = failure.exit_code
+        status = 128 - code if code < 0 else code
+    else:
+        status = 1
+    if failure is not None and root is not None:
+        _say(f"rank {root} failed (root cause): {_root_cause(failure)}")
+    if run.group is not None:
+        _say(
+            f"summary of {run.plan.name}, {nprocs} rank{'s' if nprocs > 1 else ''},"
+            f" {elapsed:.2f} s:"
+        )
+        print(_table(run, root), file=sys.stderr, flush=True)
+    return status
+
+
+def _root_cause(failure: BaseException) -> str:
+    """The failure's message; for a raised exception, its last line and the stderr tail."""
+    import aiospawn
+
+    text = str(failure).strip("\n")
+    notes = getattr(failure, "__notes__", None)
+    if isinstance(failure, aiospawn.ProcessRaisedException):
+        lines = text.splitlines()
+        if notes:
+            # The rank printed its traceback: the tail of its stderr shows it.
+            last = lines[-1] if lines else "an exception"
+            return f"raised {last}\n" + _indent("\n".join(notes))
+        return "raised:\n" + _indent("\n".join(lines[1:] if lines else lines))
+    first, _, rest = text.partition("\n")
+    return first + ("\n" + _indent(rest) if rest else "")
+
+
+def _indent(text: str) -> str:
+    return "\n".join(f"  {line}" for line in text.splitlines())
+
+
+def _table(run: _Run, root: int | None) -> str:
+    import signal
+
+    assert run.group is not None
+    rows = [("rank", "pid", "exit", "duration")]
+    for rank, process in enumerate(run.group.processes):
+        code = process.exitcode
+        if code is None:
+            exit_text = "still running" if process.pid is not None else "not started"
+        elif code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            exit_text = f"{name} ({code})"
+            if rank == root and -code == signal.SIGKILL:
+                exit_text += ", not sent by aiospawn: out of memory? (see dmesg)"
+            elif rank != root and (run.signals or root is not None):
+                exit_text += ", stopped by aiospawn"
+        else:
+            exit_text = f"exit code {code}"
+        if rank == root:
+            exit_text += ", root cause"
+        ended = run.exited_at.get(rank)
+        duration = "?" if ended is None else f"{ended - run.started_at:.2f} s"
+        rows.append((str(rank), str(process.pid or "-"), exit_text, duration))
+    widths = [max(len(row[column]) for row in rows) for column in range(3)]
+    return "\n".join(
+        f"  {row[0]:>{widths[0]}}  {row[1]:>{widths[1]}}  {row[2]:<{widths[2]}}  {row[3]}"
+        for row in rows
+    )
+
+
+# ------------------------------------------------------------------------------ main
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``aiospawn`` command line; return the exit status.
+
+    Args:
+        argv: The arguments after the program name; ``None`` for ``sys.argv[1:]``.
+    """
+    try:
+        try:
+            options = _parser().parse_args(argv)
+            plan = _Plan(options)
+        except UsageError as exc:
+            _say(f"error: {exc} (see '{_PROG} run --help')")
+            return 2
+        if plan.omp_note and plan.nprocs > 1:
+            _say(
+                f"OMP_NUM_THREADS is unset: setting it to 1 in each of the {plan.nprocs}"
+                " ranks so they do not oversubscribe the CPUs; set it to choose another value"
+            )
+        _log_to_stderr()
+        # Like other command-line tools, die of SIGPIPE when the reader of our
+        # output is gone (a pipe to head); the ranks die with us.
+        import signal
+
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+        import anyio
+
+        return anyio.run(_supervise, plan, backend="asyncio")
+    except KeyboardInterrupt:  # Ctrl-C before the signal handlers were in place
+        return 130
+
+
+def _log_to_stderr() -> None:
+    import logging
+
+    logger = logging.getLogger("aiospawn")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(f"{_PROG}: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.WARNING)
+        logger.propagate = False
