@@ -1,0 +1,374 @@
+"""The report: machine, per-scenario tables, target checks, and the bar chart."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import math
+import os
+import platform
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from harness import ScenarioResult, Series
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Check:
+    """One target, checked against one row of figures."""
+
+    target: str
+    row: str
+    figure: str
+    verdict: str  # "pass", "fail" or "n/a"
+
+
+def machine() -> dict[str, str]:
+    """What the figures depend on: cores, CPU, Python, kernel, versions, date."""
+    model = "unknown"
+    try:
+        with open("/proc/cpuinfo") as file:
+            for line in file:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    versions = []
+    for name in ("aiospawn", "anyio", "torch"):
+        try:
+            versions.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            versions.append(f"{name} (not installed)")
+    return {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "cores": str(os.cpu_count()),
+        "cpu": model,
+        "python": f"{platform.python_implementation()} {platform.python_version()}",
+        "kernel": f"{platform.system()} {platform.release()} ({platform.machine()})",
+        "versions": ", ".join(versions),
+    }
+
+
+def fmt(value: float) -> str:
+    """Three significant figures, without scientific notation for everyday sizes."""
+    if math.isnan(value):
+        return "-"
+    if value == 0:
+        return "0"
+    magnitude = math.floor(math.log10(abs(value)))
+    decimals = max(0, 2 - magnitude)
+    return f"{value:,.{decimals}f}"
+
+
+def _best_medians(series: Iterable[Series]) -> dict[tuple[str, str], float]:
+    best: dict[tuple[str, str], float] = {}
+    for item in series:
+        key = (item.case, item.metric)
+        best[key] = min(best.get(key, math.inf), item.median)
+    return best
+
+
+def scenario_table(result: ScenarioResult) -> str:
+    """The Markdown table of one scenario: a row per case, metric and peer."""
+    lines = [
+        "| case | metric | peer | median | p95 | ratio to best | n |",
+        "|---|---|---|---:|---:|---:|---:|",
+    ]
+    best = _best_medians(result.series)
+    order = {peer: index for index, peer in enumerate(dict.fromkeys(s.peer for s in result.series))}
+    cases = list(dict.fromkeys(s.case for s in result.series))
+    metrics = list(dict.fromkeys(s.metric for s in result.series))
+    rows = sorted(
+        result.series,
+        key=lambda s: (cases.index(s.case), metrics.index(s.metric), order[s.peer]),
+    )
+    for item in rows:
+        reference = best[(item.case, item.metric)]
+        ratio = f"{item.median / reference:.2f}x" if reference > 0 else "-"
+        lines.append(
+            f"| {item.case} | {item.metric} | {item.peer} | {fmt(item.median)} | {fmt(item.p95)}"
+            f" | {ratio} | {len(item.samples)} |"
+        )
+    return "\n".join(lines)
+
+
+def _median(
+    results: dict[str, ScenarioResult], scenario: str, case: str, metric: str, peer: str
+) -> float | None:
+    result = results.get(scenario)
+    if result is None:
+        return None
+    for item in result.series:
+        if (item.case, item.metric, item.peer) == (case, metric, peer):
+            return item.median
+    return None
+
+
+def _ratio_check(
+    target: str,
+    row: str,
+    ours: float | None,
+    theirs: float | None,
+    passes: Callable[[float, float], bool],
+    label: str,
+) -> Check:
+    if ours is None or theirs is None:
+        return Check(target=target, row=row, figure="no data", verdict="n/a")
+    figure = f"aiospawn {fmt(ours)} vs {label} {fmt(theirs)} ({ours / theirs:.2f}x)"
+    return Check(
+        target=target, row=row, figure=figure, verdict="pass" if passes(ours, theirs) else "fail"
+    )
+
+
+def _bound_check(target: str, row: str, value: float | None, bound: float, unit: str) -> Check:
+    if value is None:
+        return Check(target=target, row=row, figure="no data", verdict="n/a")
+    return Check(
+        target=target,
+        row=row,
+        figure=f"{fmt(value)} {unit} (bound {fmt(bound)})",
+        verdict="pass" if value < bound else "fail",
+    )
+
+
+def checks(results: dict[str, ScenarioResult]) -> list[Check]:
+    """Every target of the brief, checked on the medians."""
+    found: list[Check] = []
+    if "startup" in results:
+        startup = results["startup"]
+        for case in dict.fromkeys(s.case for s in startup.series):
+            for metric in ("all running [ms]", "joined [ms]"):
+                row = f"{case}, {metric}"
+                ours = _median(results, "startup", case, metric, "aiospawn")
+                floor = _median(results, "startup", case, metric, "multiprocessing")
+                torch = _median(results, "startup", case, metric, "torch")
+                found.append(
+                    _ratio_check(
+                        "start-up within 1.2x of multiprocessing",
+                        row,
+                        ours,
+                        floor,
+                        lambda a, b: a <= 1.2 * b,
+                        "multiprocessing",
+                    )
+                )
+                found.append(
+                    _ratio_check(
+                        "start-up faster than torch", row, ours, torch, lambda a, b: a < b, "torch"
+                    )
+                )
+    if "large_arg" in results:
+        for case in dict.fromkeys(s.case for s in results["large_arg"].series):
+            metric = "all running [ms]"
+            ours = _median(results, "large_arg", case, metric, "aiospawn")
+            found.append(
+                _ratio_check(
+                    "large-arg start >= 3x faster than torch sequential",
+                    case,
+                    ours,
+                    _median(results, "large_arg", case, metric, "torch sequential"),
+                    lambda a, b: 3 * a <= b,
+                    "torch sequential",
+                )
+            )
+            found.append(
+                _ratio_check(
+                    "large-arg start no slower than torch parallel",
+                    case,
+                    ours,
+                    _median(results, "large_arg", case, metric, "torch parallel"),
+                    lambda a, b: a <= b,
+                    "torch parallel",
+                )
+            )
+    if "failure" in results:
+        for case in dict.fromkeys(s.case for s in results["failure"].series):
+            join = _median(results, "failure", case, "raised [ms]", "aiospawn join")
+            torch = _median(results, "failure", case, "raised [ms]", "torch join")
+            if torch is None:
+                # The < 2 ms bound is for aiospawn's own setting: a parent without torch,
+                # whose forked ranks the kernel ends in about 0.5 ms (see the scenario's notes).
+                group = _median(results, "failure", case, "detected [ms]", "aiospawn open_group")
+                found.append(
+                    _bound_check("failure detection < 2 ms (join raised)", case, join, 2.0, "ms")
+                )
+                found.append(
+                    _bound_check(
+                        "failure detection < 2 ms (open_group body cancelled)",
+                        case,
+                        group,
+                        2.0,
+                        "ms",
+                    )
+                )
+            else:
+                found.append(
+                    _ratio_check(
+                        "failure detection within 1.5x of torch's blocking join",
+                        case,
+                        join,
+                        torch,
+                        lambda a, b: a <= 1.5 * b,
+                        "torch join",
+                    )
+                )
+    if "lag" in results:
+        for case in dict.fromkeys(s.case for s in results["lag"].series):
+            value = _median(results, "lag", case, "max lag [ms]", "aiospawn")
+            found.append(_bound_check("event-loop max lag < 20 ms", case, value, 20.0, "ms"))
+    if "teardown" in results:
+        for case in dict.fromkeys(s.case for s in results["teardown"].series):
+            if "all honour" in case:
+                value = _median(results, "teardown", case, "teardown [ms]", "aiospawn")
+                found.append(
+                    _bound_check("teardown of cooperative ranks < 200 ms", case, value, 200.0, "ms")
+                )
+    if "idle" in results:
+        for case in dict.fromkeys(s.case for s in results["idle"].series):
+            value = _median(results, "idle", case, "CPU while asleep [% of a core]", "aiospawn")
+            found.append(
+                _bound_check("idle supervisor CPU < 0.5 % of a core", case, value, 0.5, "%")
+            )
+    return found
+
+
+def markdown(
+    results: list[ScenarioResult],
+    host: dict[str, str],
+    *,
+    mode: str,
+    failures: list[str],
+    chart: str | None,
+) -> str:
+    """The whole report as Markdown."""
+    by_name = {result.name: result for result in results}
+    out = [
+        "# aiospawn benchmarks",
+        "",
+        f"- Date: {host['date']}",
+        f"- Machine: {host['cores']} cores, {host['cpu']}",
+        f"- Python: {host['python']}; kernel: {host['kernel']}",
+        f"- Versions: {host['versions']}",
+        f"- Mode: {mode}",
+        "- Bytecode: cached, as for an installed package (the workers unset"
+        " PYTHONDONTWRITEBYTECODE and write .pyc files under benchmarks/.cache/pycache).",
+        "- Load average (1, 5, 15 min) before and after each scenario is listed with it;"
+        " above about 1.0 on this machine the figures are noisy.",
+        "",
+        "Figures are medians and 95th percentiles over the trials (n); 'ratio to best' divides"
+        " a peer's median by the best median of the same case and metric. Peers run in"
+        " alternation within each case. Lower is better everywhere.",
+        "",
+    ]
+    if chart:
+        out += [f"![bar chart]({chart})", ""]
+    found = checks(by_name)
+    if found:
+        passed = sum(check.verdict == "pass" for check in found)
+        failed = sum(check.verdict == "fail" for check in found)
+        out += [
+            f"## Targets: {passed} pass, {failed} fail",
+            "",
+            "| target | row | figures (medians) | verdict |",
+            "|---|---|---|---|",
+        ]
+        out += [
+            f"| {check.target} | {check.row} | {check.figure} | **{check.verdict.upper()}** |"
+            for check in found
+        ]
+        out.append("")
+    for failure in failures:
+        out += [f"**{failure}**", ""]
+    for number, result in enumerate(results, 1):
+        before = ", ".join(f"{value:.2f}" for value in result.load_before)
+        after = ", ".join(f"{value:.2f}" for value in result.load_after)
+        out += [
+            f"## {number}. {result.title} (`--only {result.name}`)",
+            "",
+            f"Load average before: {before}; after: {after}; took {result.seconds:.0f} s.",
+            "",
+            scenario_table(result),
+            "",
+        ]
+        out += [f"- {note}" for note in result.notes]
+        out.append("")
+    return "\n".join(out)
+
+
+#: One color per peer, the same in every panel: aiospawn blue, torch warm, baselines grey-green.
+_COLORS = {
+    "aiospawn": "#1f77b4",
+    "aiospawn join": "#1f77b4",
+    "aiospawn open_group": "#6baed6",
+    "torch": "#ff7f0e",
+    "torch join": "#ff7f0e",
+    "torch in thread": "#ff7f0e",
+    "torch sequential": "#d62728",
+    "torch parallel": "#ff7f0e",
+    "torch-style loop": "#ff7f0e",
+    "multiprocessing": "#2ca02c",
+    "multiprocessing in thread": "#2ca02c",
+    "floor: join the failing rank": "#2ca02c",
+    "polling 0.1 s": "#9467bd",
+    "idle loop": "#7f7f7f",
+}
+
+
+def _color(peer: str) -> str:
+    return _COLORS.get(peer, "#8c564b")
+
+
+def plot(results: list[ScenarioResult], path: str) -> None:
+    """A grouped bar chart per scenario and unit: medians, with the p95 as an error bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels: list[tuple[str, list[Series]]] = []
+    for result in results:
+        units = dict.fromkeys(s.unit for s in result.series)
+        for unit in units:
+            chosen = [s for s in result.series if s.unit == unit]
+            panels.append((f"{result.title} [{unit}]", chosen))
+    if not panels:
+        return
+    columns = 2
+    rows = math.ceil(len(panels) / columns)
+    figure, axes = plt.subplots(rows, columns, figsize=(16, 4.2 * rows), squeeze=False)
+    for axis in axes.flat[len(panels) :]:
+        axis.set_visible(False)
+    for axis, (title, chosen) in zip(axes.flat, panels, strict=False):
+        groups = list(dict.fromkeys((s.case, s.metric) for s in chosen))
+        peers = list(dict.fromkeys(s.peer for s in chosen))
+        width = 0.8 / len(peers)
+        for index, peer in enumerate(peers):
+            color = _color(peer)
+            xs, heights, errors = [], [], []
+            for position, (case, metric) in enumerate(groups):
+                for item in chosen:
+                    if (item.case, item.metric, item.peer) == (case, metric, peer):
+                        xs.append(position + (index - (len(peers) - 1) / 2) * width)
+                        heights.append(item.median)
+                        errors.append(max(0.0, item.p95 - item.median))
+            axis.bar(
+                xs,
+                heights,
+                width,
+                label=peer,
+                color=color,
+                yerr=[[0] * len(errors), errors],
+                capsize=2,
+            )
+        labels = [f"{case}\n{metric.rpartition(' [')[0]}" for case, metric in groups]
+        axis.set_xticks(range(len(groups)), labels, fontsize=7, rotation=25, ha="right")
+        positive = [s.median for s in chosen if s.median > 0]
+        if positive and max(positive) / min(positive) > 30:
+            axis.set_yscale("log")
+        axis.set_title(title, fontsize=10)
+        axis.legend(fontsize=7)
+        axis.grid(axis="y", alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)

@@ -1,0 +1,155 @@
+"""Benchmark aiospawn against torch.multiprocessing and plain multiprocessing.
+
+    python benchmarks/run.py            # every scenario; about 10 minutes on 2 cores
+    python benchmarks/run.py --quick    # fewer trials and ranks; under 2 minutes
+    python benchmarks/run.py --only failure
+
+Prints a Markdown table and writes benchmarks/results.md and results.png.
+Each scenario runs in a fresh interpreter (``--worker``), so a forkserver, a
+thread pool or an imported torch never carries over from one scenario to the next.
+
+This file is the ``__main__`` module that every ``spawn`` rank and the
+forkserver import again (as ``__mp_main__``): it imports nothing at the top
+level beyond ``sys``, so that it costs every peer's ranks nothing.
+"""
+
+import sys
+
+#: name -> (module, function, title), in report order.
+SCENARIOS = {
+    "startup": ("bench_start", "startup", "Start-up"),
+    "large_arg": ("bench_start", "large_arg", "Large-argument start (torch issue 133010)"),
+    "failure": ("bench_supervise", "failure", "Failure detection latency"),
+    "lag": ("bench_supervise", "lag", "Event-loop lag while ranks start and stop"),
+    "teardown": ("bench_supervise", "teardown", "Teardown"),
+    "idle": ("bench_supervise", "idle", "Supervisor overhead while ranks sleep"),
+    "scale": ("bench_start", "scale", "Scale"),
+}
+
+
+def main(argv: list[str]) -> int:
+    """Parse the command line; run the scenarios (or, with ``--worker``, one of them)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer trials and ranks (< 2 min)")
+    parser.add_argument("--only", choices=list(SCENARIOS), help="run this scenario alone")
+    parser.add_argument(
+        "--backend", choices=["asyncio", "trio"], default="asyncio", help="aiospawn's event loop"
+    )
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="path prefix of the report files (default: benchmarks/results)",
+    )
+    parser.add_argument("--worker", choices=list(SCENARIOS), help=argparse.SUPPRESS)
+    parser.add_argument("--json", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return _worker(args.worker, args.quick, args.backend, args.json)
+    return _orchestrate(args.only, args.quick, args.backend, args.out)
+
+
+def _worker(name: str, quick: bool, backend: str, json_path: str) -> int:
+    import importlib
+    import json
+    import os
+    import time
+
+    import anyio
+    from harness import ScenarioResult
+
+    module, function, title = SCENARIOS[name]
+    scenario = getattr(importlib.import_module(module), function)
+    result = ScenarioResult(name=name, title=title)
+    result.load_before = os.getloadavg()
+    started = time.monotonic()
+    anyio.run(scenario, result, quick, backend=backend)
+    result.seconds = time.monotonic() - started
+    result.load_after = os.getloadavg()
+    if backend != "asyncio":
+        result.note(f"aiospawn ran on the {backend} backend.")
+    with open(json_path, "w") as file:
+        json.dump(result.to_json(), file)
+    return 0
+
+
+#: What the workers and their ranks import, compiled once before anything is timed.
+_WARM_IMPORTS = (
+    "import anyio, psutil, aiospawn._api, aiospawn._child, torch.multiprocessing,"
+    " multiprocessing.forkserver, multiprocessing.popen_spawn_posix,"
+    " multiprocessing.popen_forkserver, multiprocessing.popen_fork"
+)
+
+
+def _worker_env(here: str) -> dict[str, str]:
+    """The workers' environment: with a bytecode cache, as an installed package has.
+
+    Some machines set PYTHONDONTWRITEBYTECODE=1; then every spawn or forkserver
+    rank compiles aiospawn's modules (and the benchmark's) from source, about
+    3 ms per rank that no installed package pays (the standard library and
+    site-packages ship their .pyc files). The workers write their bytecode
+    under benchmarks/.cache/pycache instead, never next to the sources.
+    """
+    import os
+
+    env = dict(os.environ)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env["PYTHONPYCACHEPREFIX"] = os.path.join(here, ".cache", "pycache")
+    return env
+
+
+def _orchestrate(only: str | None, quick: bool, backend: str, out: str | None) -> int:
+    import json
+    import os
+    import subprocess
+    import tempfile
+    import time
+
+    from harness import ScenarioResult, progress
+    from report import machine, markdown, plot
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    prefix = out or os.path.join(here, "results")
+    env = _worker_env(here)
+    progress("== warming the bytecode cache (benchmarks/.cache/pycache)")
+    subprocess.run([sys.executable, "-c", _WARM_IMPORTS], env=env, check=True)
+    names = [only] if only else list(SCENARIOS)
+    mode = "quick" if quick else "full"
+    results: list[ScenarioResult] = []
+    failures: list[str] = []
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="aiospawn-bench-") as scratch:
+        for name in names:
+            json_path = os.path.join(scratch, f"{name}.json")
+            command = [sys.executable, os.path.abspath(__file__), "--worker", name]
+            command += ["--json", json_path, "--backend", backend]
+            if quick:
+                command.append("--quick")
+            progress(f"== {name}: {' '.join(command[1:])}")
+            completed = subprocess.run(command, env=env, check=False)
+            if completed.returncode != 0 or not os.path.exists(json_path):
+                failures.append(f"Scenario {name} failed (exit code {completed.returncode}).")
+                continue
+            with open(json_path) as file:
+                results.append(ScenarioResult.from_json(json.load(file)))
+    total = time.monotonic() - started
+    mode += f", {total:.0f} s in all, aiospawn on {backend}"
+    chart = f"{prefix}.png"
+    plot(results, chart)
+    text = markdown(
+        results,
+        machine(),
+        mode=mode,
+        failures=failures,
+        chart=os.path.basename(chart) if results else None,
+    )
+    with open(f"{prefix}.md", "w") as file:
+        file.write(text)
+    print(text)
+    progress(f"wrote {prefix}.md and {chart} in {total:.0f} s")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,70 @@
+"""Rank functions for the benchmarks: importable, top level, standard library only.
+
+Every peer (aiospawn, torch.multiprocessing, plain multiprocessing) runs the
+same functions, so a rank costs the same work whoever supervises it. A rank
+proves it is running by recording ``time.monotonic()`` at the entry of ``fn``
+in ``outdir/<rank>`` (CLOCK_MONOTONIC is system-wide on Linux, so the parent
+can compare it with its own clock). The file appears atomically (rename), so a
+parent that counts the files never reads a half-written one.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+#: Written by :func:`fail_after` just before the failing rank exits.
+FAIL_STAMP = "fail"
+
+
+def record_entry(rank: int, outdir: str) -> float:
+    """Record the entry time of rank ``rank`` and return it: the trivial rank."""
+    now = time.monotonic()
+    write_stamp(outdir, str(rank), now)
+    return now
+
+
+def sleep_forever(rank: int, outdir: str, ignore_term_rank: int = -1) -> None:
+    """Record the entry, then sleep until a signal ends the process.
+
+    The rank ``ignore_term_rank`` ignores SIGTERM, so only SIGKILL stops it.
+    """
+    if rank == ignore_term_rank:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    record_entry(rank, outdir)
+    while True:
+        time.sleep(3600)
+
+
+def sleep_then_return(rank: int, outdir: str, seconds: float) -> int:
+    """Record the entry, sleep ``seconds``, and return the rank."""
+    record_entry(rank, outdir)
+    time.sleep(seconds)
+    return rank
+
+
+def fail_after(rank: int, outdir: str, delay: float, failing_rank: int = 1) -> None:
+    """Rank ``failing_rank`` exits with code 1 after ``delay`` s; the others sleep.
+
+    Just before ``os._exit(1)``, the failing rank writes the ``time.monotonic()``
+    of its exit to ``outdir/fail`` through an already open descriptor, so that
+    nothing but one ``write`` separates the stamp from the exit.
+    """
+    record_entry(rank, outdir)
+    if rank != failing_rank:
+        while True:
+            time.sleep(3600)
+    time.sleep(delay)
+    fd = os.open(os.path.join(outdir, FAIL_STAMP), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.write(fd, repr(time.monotonic()).encode())
+    os._exit(1)
+
+
+def write_stamp(outdir: str, name: str, value: float) -> None:
+    """Write ``value`` to ``outdir/name`` atomically."""
+    path = os.path.join(outdir, name)
+    partial = f"{path}.partial"
+    with open(partial, "w") as file:
+        file.write(repr(value))
+    os.rename(partial, path)
