@@ -21,6 +21,8 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
+from tests.helpers import Events
+
 
 @pytest.fixture(
     params=[
@@ -83,6 +85,15 @@ def wait_until(predicate: object, seconds: float = 5.0) -> bool:
         if time.monotonic() > deadline:
             return False
         time.sleep(0.02)
+
+
+@pytest.fixture
+def events() -> Iterator[Events]:
+    """A pipe the ranks report on: the test reads the first end, ranks get the second."""
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    yield reader, writer
+    reader.close()
+    writer.close()
 
 
 @pytest.fixture(autouse=True)

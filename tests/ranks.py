@@ -418,3 +418,16 @@ def out_stderr_then_fail(rank: int, lines: int, how: str) -> None:
 
 def out_environ(rank: int, *names: str) -> dict[str, str | None]:
     return {name: os.environ.get(name) for name in names}
+
+
+def child_thread_signal_masks(rank: int) -> dict[str, int]:
+    """The blocked-signal mask of each of this rank's threads but the main one."""
+    masks = {}
+    for task in os.listdir(f"/proc/{os.getpid()}/task"):
+        if int(task) == os.getpid():
+            continue
+        with open(f"/proc/{os.getpid()}/task/{task}/status") as status:
+            for line in status:
+                if line.startswith("SigBlk:"):
+                    masks[task] = int(line.split()[1], 16)
+    return masks

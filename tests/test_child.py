@@ -298,3 +298,21 @@ async def test_a_fork_rank_gets_default_signal_handling_back() -> None:
         "mask": [],
         "wakeup_fd": -1,
     }
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver", "fork"])
+async def test_the_guard_thread_blocks_every_signal_so_the_rank_gets_its_own(
+    start_method: str,
+) -> None:
+    # Python runs signal handlers in the main thread only; a SIGTERM the kernel
+    # handed to the guard thread would leave a rank's handler waiting forever.
+    [masks] = await aiospawn.start_processes(
+        ranks.child_thread_signal_masks, start_method=start_method
+    )
+    catchable = {int(signum) for signum in signal.valid_signals()} - {
+        signal.SIGKILL,
+        signal.SIGSTOP,
+    }
+    assert len(masks) == 1, masks  # the guard thread, nothing else
+    [mask] = masks.values()
+    assert all(mask & (1 << (signum - 1)) for signum in catchable)

@@ -6,9 +6,6 @@ import logging
 import multiprocessing
 import os
 import signal
-from collections.abc import Iterator
-from multiprocessing.connection import Connection
-from typing import Any
 
 import anyio
 import pytest
@@ -17,52 +14,9 @@ import aiospawn
 import aiospawn._shutdown
 from aiospawn._watch import LocalRank
 from tests import ranks
+from tests.helpers import Events, drain, is_gone, receive_ready
 
 pytestmark = pytest.mark.anyio
-
-Events = tuple[Connection, Connection]
-
-
-@pytest.fixture
-def events() -> Iterator[Events]:
-    """A pipe the ranks report on: the test reads the first end, ranks get the second."""
-    reader, writer = multiprocessing.Pipe(duplex=False)
-    yield reader, writer
-    reader.close()
-    writer.close()
-
-
-async def receive_ready(reader: Connection, nprocs: int) -> dict[int, int]:
-    """Wait until ``nprocs`` ranks sent ``("ready", rank, pid)``; return pid by rank."""
-
-    def get() -> Any:
-        if not reader.poll(30):
-            raise AssertionError("no ready message from the ranks within 30 s")
-        return reader.recv()
-
-    pids = {}
-    for _ in range(nprocs):
-        kind, rank, pid = await anyio.to_thread.run_sync(get)
-        assert kind == "ready"
-        pids[rank] = pid
-    return pids
-
-
-def drain(reader: Connection) -> list[Any]:
-    """Everything the ranks sent that has not been read yet."""
-    messages = []
-    while reader.poll(0):
-        messages.append(reader.recv())
-    return messages
-
-
-def is_gone(pid: int) -> bool:
-    """True once ``pid`` has exited and been reaped (a zombie still exists)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
 
 
 def records(caplog: pytest.LogCaptureFixture, level: int) -> list[str]:

@@ -181,8 +181,16 @@ def _guard_supervisor(supervisor_pid: int, supervisor_is_parent: bool) -> None:
         supervisor_fd = None
     if supervisor_is_parent and os.getppid() != supervisor_pid:
         _kill_own_group()  # it died before pidfd_open(): the pid may be reused
-    # A bare thread: threading.Thread's start-up handshake costs every rank.
-    _thread.start_new_thread(_die_with_supervisor, (supervisor_pid, supervisor_fd))
+    # The guard must never take a signal meant for the rank: the kernel may
+    # deliver a process-directed signal to any thread that does not block it,
+    # and Python runs handlers in the main thread only, which would then sleep
+    # on. The new thread inherits the mask in force when it is created.
+    # (A bare thread: threading.Thread's start-up handshake costs every rank.)
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+    try:
+        _thread.start_new_thread(_die_with_supervisor, (supervisor_pid, supervisor_fd))
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def _die_with_supervisor(supervisor_pid: int, supervisor_fd: int | None) -> None:
