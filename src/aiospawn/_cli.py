@@ -94,8 +94,8 @@ nothing but the ranks' own output (and the ``OMP_NUM_THREADS`` note).
 
 The functions ``rank_script``, ``rank_module``, ``rank_function`` and
 ``rank_program`` are what the ranks run; they live at the top level of this
-module so that ``spawn`` can send them. This module imports only ``os`` and
-``sys`` at the top, so a rank pays for nothing else.
+module so that ``spawn`` can send them. This module imports only ``os``,
+``sys`` and ``typing`` at the top, so a rank pays for nothing else.
 """
 
 from __future__ import annotations

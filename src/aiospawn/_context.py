@@ -253,9 +253,12 @@ class AsyncProcessContext(Generic[T]):
         try:
             await checkpoint()
             if self._root is None and self._shutdown_done is None:
+                exited = self._exited_count()
                 for rank in self._ranks:
                     rank.poll()
-                if self._root is None and not self._all_exited() and timeout != 0:
+                # Without until_all, an exit this poll found is the one to report.
+                wait = until_all or self._exited_count() == exited
+                if wait and self._root is None and not self._all_exited() and timeout != 0:
                     with anyio.move_on_after(math.inf if timeout is None else timeout):
                         await self._wait_for_exits(until_all=until_all)
         except BaseException:
@@ -265,7 +268,12 @@ class AsyncProcessContext(Generic[T]):
             await self._shut_down(grace_period, after_failure=self._root is not None)
             error = self._error()
             if error is not None:
-                raise error
+                try:
+                    raise error
+                finally:
+                    # The traceback holds this frame: a local bound to the
+                    # exception would keep both alive until the cyclic GC runs.
+                    del error
         if not self._all_exited():
             return False
         await self._collect_results()
@@ -309,6 +317,9 @@ class AsyncProcessContext(Generic[T]):
 
     def _all_exited(self) -> bool:
         return all(rank.exit is not None for rank in self._ranks)
+
+    def _exited_count(self) -> int:
+        return sum(rank.exit is not None for rank in self._ranks)
 
     def _error(self) -> ProcessException | None:
         """The exception ``join()`` raises once the group has been shut down, if any."""

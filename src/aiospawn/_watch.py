@@ -183,6 +183,18 @@ class LocalRank:
                     os.kill(pid, signum)
         return True
 
+    def _release_sentinel(self) -> None:
+        # The Popen's sentinel pipe would stay open until the Process object is
+        # garbage-collected. Popen.close() (what Process.close() calls) releases
+        # it now; the Process keeps its exit code, and is_alive(), join() and
+        # exitcode answer from it without touching the pipe.
+        popen = getattr(self.process, "_popen", None)
+        if popen is None:
+            return
+        if self._exit_fd == self.process.sentinel:
+            anyio.notify_closing(self._exit_fd)
+        popen.close()
+
     async def _watch(self) -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._read_until_complete)
@@ -237,4 +249,5 @@ class LocalRank:
             if fd is not None:
                 close_watched(fd)
         self._reader = self._pidfd = None
+        self._release_sentinel()
         self._on_exit(self._exit)

@@ -597,26 +597,7 @@ async def _join_step(
     grace_period: float | None,
     until_all: bool,
 ) -> tuple[bool, list[int]]:
-    if until_all:
-        done = await group._join(seconds, grace_period, until_all=True)
-        return done, _unjoined(group)
-    # torch's join() returns after any exit, including one that happened
-    # since the previous call (its sentinel is ready). The core's
-    # _join(until_all=False) counts only exits it waited for, not one its
-    # opening poll finds, so: poll (a zero-timeout join, which also runs a
-    # failure's shutdown), wait for the next exit if there was none, poll again.
-    unjoined = _unjoined(group)
-    done = await group._join(0, grace_period, until_all=False)
-    if done or _unjoined(group) != unjoined or seconds == 0:
-        return done, _unjoined(group)
-    try:
-        with anyio.move_on_after(math.inf if seconds is None else seconds):
-            await group._wait_for_exits(until_all=False)
-    except BaseException:
-        # Cancelled (the caller was interrupted): shut down, as the core's join does.
-        await group.terminate(grace_period)
-        raise
-    done = await group._join(0, grace_period, until_all=False)
+    done = await group._join(seconds, grace_period, until_all=until_all)
     return done, _unjoined(group)
 
 
