@@ -86,9 +86,21 @@ def peers(script: str) -> dict[str, list[list[str]]]:
     return found
 
 
+def bench_env(tmp: str) -> dict[str, str]:
+    """The peers' environment: no OMP note, and compiled modules cached as installed.
+
+    Without a bytecode cache (``PYTHONDONTWRITEBYTECODE``, or a source tree
+    nobody may write to) every process compiles aiospawn's modules again,
+    which costs more than running them; an installed package has its cache.
+    """
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPYCACHEPREFIX=os.path.join(tmp, "pycache"))
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    return env
+
+
 def measure(trials: int) -> dict[str, list[float]]:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
     with tempfile.TemporaryDirectory(prefix="aiospawn-bench-cli-") as tmp:
+        env = bench_env(tmp)
         script = os.path.join(tmp, "noop.py")
         Path(script).write_text("")
         commands = peers(script)
@@ -126,10 +138,12 @@ def report(samples: dict[str, list[float]]) -> dict[str, float]:
     return ratios
 
 
-def import_profile(code: str, top: int) -> list[tuple[str, float]]:
+def import_profile(code: str, top: int, env: dict[str, str]) -> list[tuple[str, float]]:
     """The ``top`` slowest imports of ``python -c code``, by cumulative time, in ms."""
+    subprocess.run([sys.executable, "-c", code], env=env, check=True)  # fills the cache
     result = subprocess.run(
         [sys.executable, "-X", "importtime", "-c", code],
+        env=env,
         capture_output=True,
         text=True,
         check=True,
@@ -144,15 +158,17 @@ def import_profile(code: str, top: int) -> list[tuple[str, float]]:
 
 def profile() -> None:
     """Where a run's time goes, as far as imports tell."""
-    bare = min(timed([[sys.executable, "-c", "pass"]], dict(os.environ), ".") for _ in range(5))
-    print(f"\nbare interpreter start and exit: {bare * 1000:.1f} ms")
-    launcher = "import aiospawn._cli, aiospawn._api, anyio, asyncio"
-    rank = "import multiprocessing.spawn, aiospawn._child, aiospawn._cli, runpy"
-    for title, code in (("launcher", launcher), ("each rank", rank)):
-        rows = import_profile(code, 8)
-        print(f"{title}: slowest top-level imports (cumulative ms) of `{code}`:")
-        for name, ms in rows:
-            print(f"  {ms:7.1f}  {name}")
+    with tempfile.TemporaryDirectory(prefix="aiospawn-bench-cli-") as tmp:
+        env = bench_env(tmp)
+        bare = min(timed([[sys.executable, "-c", "pass"]], env, ".") for _ in range(5))
+        print(f"\nbare interpreter start and exit: {bare * 1000:.1f} ms")
+        launcher = "import aiospawn._cli, aiospawn._api, anyio, asyncio, anyio._backends._asyncio"
+        rank = "import multiprocessing.spawn, aiospawn._child, aiospawn._cli, runpy"
+        for title, code in (("launcher", launcher), ("each rank", rank)):
+            rows = import_profile(code, 8, env)
+            print(f"{title}: slowest top-level imports (cumulative ms) of `{code}`:")
+            for name, ms in rows:
+                print(f"  {ms:7.1f}  {name}")
 
 
 def main(argv: list[str] | None = None) -> None:

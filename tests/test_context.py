@@ -358,3 +358,22 @@ async def test_the_loop_keeps_running_while_join_waits() -> None:
         assert not joined.is_set()
         release.set()
     assert ctx.results == [0, 1]
+
+
+async def test_a_shorter_grace_period_hurries_a_shutdown_under_way(events: Events) -> None:
+    reader, writer = events
+    # Both ranks ignore SIGTERM; the group's own grace period is a minute.
+    ctx = await aiospawn.start_processes(
+        ranks.api_record_sigterm, (writer, True), nprocs=2, join=False, grace_period=60
+    )
+    pids = await receive_ready(reader, 2)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(ctx.terminate)
+        assert {await receive(reader, "SIGTERM report") for _ in range(2)} == {
+            ("SIGTERM", 0),
+            ("SIGTERM", 1),
+        }
+        with anyio.fail_after(30, "terminate(grace_period=0) did not hurry the shutdown"):
+            await ctx.terminate(grace_period=0)
+    assert [process.exitcode for process in ctx.processes] == [-signal.SIGKILL] * 2
+    assert all(is_gone(pid) for pid in pids.values())

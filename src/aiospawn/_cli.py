@@ -92,195 +92,43 @@ passes through the launcher: ``prefix`` or ``--tee``), and a table of every
 rank's pid, exit code or signal, and duration. A successful run prints
 nothing but the ranks' own output (and the ``OMP_NUM_THREADS`` note).
 
-The functions ``rank_script``, ``rank_module``, ``rank_function`` and
-``rank_program`` are what the ranks run; they live at the top level of this
-module so that ``spawn`` can send them. This module imports only ``os``,
-``sys`` and ``typing`` at the top, so a rank pays for nothing else.
+What each rank runs lives in ``_programs``, which a rank imports instead of
+this module.
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
+import logging
+import math
 import os
+import shutil
+import signal
+import socket
 import sys
+import time
 from typing import TYPE_CHECKING, Any, NoReturn
 
+import anyio
+
+import aiospawn
+
+from ._programs import rank_function, rank_module, rank_program, rank_script, resolve_function
+
 if TYPE_CHECKING:
-    import argparse
     from collections.abc import Callable, Sequence
 
     from ._context import AsyncProcessContext
 
-__all__ = ["main", "rank_function", "rank_module", "rank_program", "rank_script"]
+__all__ = ["main"]
 
 #: Signals that make the launcher shut the ranks down.
 SHUTDOWN_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
 
-#: Signals a ``--no-python`` rank passes on to its program.
-FORWARDED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
-
 STREAM_MODES = ("prefix", "inherit", "devnull")
 
 _PROG = "aiospawn"
-
-
-# --------------------------------------------------------------------------- ranks
-# What each rank runs. Called as fn(rank, *args) in the rank's process, after
-# the rank's environment and output streams are in place.
-
-
-def rank_script(rank: int, path: str, args: list[str]) -> None:
-    """Run the file ``path`` as ``__main__`` with ``sys.argv = [path, *args]``."""
-    import runpy
-
-    sys.argv = [path, *args]
-    sys.path[0] = os.path.dirname(os.path.abspath(path))
-    # As python script.py does: __file__ is absolute, sys.argv[0] as given.
-    _run_user_code(lambda: runpy.run_path(os.path.abspath(path), run_name="__main__"))
-
-
-def rank_module(rank: int, name: str, args: list[str]) -> None:
-    """Run the module ``name`` as ``__main__``, as ``python -m name *args`` does."""
-    import runpy
-
-    sys.argv = [name, *args]  # run_module puts the module's file in argv[0]
-    sys.path[0] = os.getcwd()
-    _run_user_code(lambda: runpy.run_module(name, run_name="__main__", alter_sys=True))
-
-
-def rank_function(rank: int, target: str, args: list[str]) -> None:
-    """Import ``module:function`` and call ``function(rank, *args)``."""
-    sys.argv = [target, *args]
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    _run_user_code(lambda: resolve_function(target)(rank, *args))
-
-
-def rank_program(rank: int, argv: list[str]) -> None:
-    """Run ``argv`` as a child process and end as it ends (exit code or signal)."""
-    import contextlib
-    import signal
-    import subprocess
-
-    program: subprocess.Popen[bytes] | None = None
-    pidfd: int | None = None
-    pending: list[int] = []
-
-    def forward(signum: int, frame: object) -> None:
-        if program is None:
-            pending.append(signum)
-        elif program.returncode is None:
-            # Through a pidfd: once the program is reaped, its pid may be reused.
-            # ESRCH: reaped by wait() a moment ago, returncode not yet set.
-            with contextlib.suppress(ProcessLookupError):
-                if pidfd is not None:
-                    signal.pidfd_send_signal(pidfd, signum)
-                else:
-                    os.kill(program.pid, signum)
-
-    forwarded = [getattr(signal, name) for name in FORWARDED_SIGNALS]
-    for signum in forwarded:
-        signal.signal(signum, forward)  # handlers reset to default in the program (exec)
-    try:
-        program = subprocess.Popen(argv, preexec_fn=_die_with_parent())
-    except OSError as exc:
-        print(f"aiospawn: rank {rank} cannot run {argv[0]!r}: {exc}", file=sys.stderr)
-        sys.exit(126 if isinstance(exc, PermissionError) else 127)
-    try:
-        pidfd = os.pidfd_open(program.pid)
-    except (AttributeError, OSError):  # no pidfd: not Linux, or Linux < 5.3
-        pidfd = None
-    for signum in pending:
-        forward(signum, None)
-    returncode = program.wait()  # PEP 475: retried after each forwarded signal
-    if pidfd is not None:
-        os.close(pidfd)
-    if returncode >= 0:
-        sys.exit(returncode)  # 0 is success, as for any rank
-    # Killed by a signal: die of the same one, so the launcher reports it.
-    signum = -returncode
-    sys.stdout.flush()
-    sys.stderr.flush()
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signum])
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
-    os._exit(128 + signum)  # a signal whose default action is not to terminate
-
-
-def _die_with_parent() -> Callable[[], None] | None:
-    """A ``preexec_fn`` that makes the program get SIGKILL when the rank dies.
-
-    The rank's supervisor guard kills the rank's process group when the
-    launcher dies; this covers the rank itself dying first (say, SIGKILLed
-    alone), which would otherwise leave the program running. prctl(2): the
-    signal comes when the thread that forked the program exits, here the
-    rank's main thread, which lives as long as the rank.
-    """
-    try:
-        import ctypes
-        import signal
-
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (ImportError, OSError, AttributeError):  # not Linux
-        return None
-    parent = os.getpid()
-    pr_set_pdeathsig = 1
-
-    def preexec() -> None:
-        prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent:  # the rank died before prctl took effect
-            os._exit(1)
-
-    return preexec
-
-
-def _run_user_code(run: Callable[[], object]) -> None:
-    """Run the user's code; print an uncaught exception's traceback as Python would."""
-    import runpy
-    import signal
-
-    # As at any Python program's start (a fork rank inherits the launcher's default).
-    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
-    try:
-        run()
-    except SystemExit:
-        raise
-    except BaseException as exc:
-        import traceback
-
-        # The traceback starts in the user's code: this module's frames and
-        # runpy's are not theirs. None left: the call itself failed (say, a
-        # function taking other arguments), and the message says it all.
-        tb = exc.__traceback__
-        ours = {__file__, runpy.__file__, "<frozen runpy>"}
-        while tb is not None and tb.tb_frame.f_code.co_filename in ours:
-            tb = tb.tb_next
-        traceback.print_exception(exc.with_traceback(tb))
-        sys.stderr.flush()
-        raise exc
-
-
-def resolve_function(target: str) -> Callable[..., object]:
-    """Import ``package.module:function`` (the function part may be dotted).
-
-    Raises:
-        ValueError: ``target`` is not ``module:function``, or the function is
-            missing or not callable.
-        ImportError: The module cannot be imported.
-    """
-    import importlib
-
-    module_name, colon, qualname = target.partition(":")
-    if not colon or not module_name or not qualname:
-        raise ValueError(f"--fn wants package.module:function, got {target!r}")
-    value: Any = importlib.import_module(module_name)
-    for part in qualname.split("."):
-        try:
-            value = getattr(value, part)
-        except AttributeError:
-            raise ValueError(f"module {module_name!r} has no function {qualname!r}") from None
-    if not callable(value):
-        raise ValueError(f"{target!r} is not callable, got {value!r}")
-    return value  # type: ignore[no-any-return]
 
 
 # ---------------------------------------------------------------------- command line
@@ -291,7 +139,6 @@ class UsageError(Exception):
 
 
 def _parser() -> argparse.ArgumentParser:
-    import argparse
 
     class Parser(argparse.ArgumentParser):
         def error(self, message: str) -> NoReturn:
@@ -306,9 +153,9 @@ def _parser() -> argparse.ArgumentParser:
     run = commands.add_parser(
         "run",
         help="run a target as N ranks",
-        description="Run TARGET as N ranks, each in its own process with torchrun's"
-        " environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,"
-        " MASTER_ADDR, MASTER_PORT, OMP_NUM_THREADS).",
+        description="Run TARGET as N ranks, each in a process of its own, supervised by\n"
+        "aiospawn: the first rank to fail stops the others, and the launcher's exit\n"
+        "status is that rank's.",
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -403,11 +250,11 @@ signals:
 exit status:
   0 if every rank succeeded; else the failing rank's exit code, 128 + its signal,
   or 1 if it raised; 2 for bad usage. Failures end with a summary on stderr.
+  If the launcher's output pipe closes (| head), it dies of SIGPIPE, ranks too.
 """
 
 
 def _nprocs(text: str) -> int:
-    import argparse
 
     if text == "auto":
         return os.cpu_count() or 1
@@ -423,8 +270,6 @@ def _nprocs(text: str) -> int:
 
 
 def _seconds(text: str) -> float:
-    import argparse
-    import math
 
     try:
         value = float(text)
@@ -436,7 +281,6 @@ def _seconds(text: str) -> float:
 
 
 def _stream_mode(text: str) -> str:
-    import argparse
 
     if text == "capture":
         raise argparse.ArgumentTypeError(
@@ -449,7 +293,6 @@ def _stream_mode(text: str) -> str:
 
 
 def _env_pair(text: str) -> tuple[str, str]:
-    import argparse
 
     key, equals, value = text.partition("=")
     if not equals or not key:
@@ -494,7 +337,6 @@ class _Plan:
 
 def _target(options: argparse.Namespace) -> tuple[Callable[..., None], tuple[Any, ...], str]:
     """The rank function and its arguments for the launch mode; UsageError if unusable."""
-    import shutil
 
     target: str = options.target
     args: list[str] = list(options.args)
@@ -521,7 +363,6 @@ def _target(options: argparse.Namespace) -> tuple[Callable[..., None], tuple[Any
 
 
 def _check_module(name: str) -> None:
-    import importlib.util
 
     try:
         spec = importlib.util.find_spec(name)
@@ -556,7 +397,6 @@ def _torchrun_env(nprocs: int, extra: dict[str, str]) -> _Env:
 
 
 def _free_port() -> int:
-    import socket
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -571,9 +411,6 @@ class _Run:
     """What happened to a run: its group, the ranks' exit times, signals received."""
 
     def __init__(self, plan: _Plan) -> None:
-        import time
-
-        import anyio
 
         self.plan = plan
         self.started_at = time.monotonic()
@@ -589,11 +426,6 @@ class _Run:
 
 
 async def _supervise(plan: _Plan) -> int:
-    import signal
-
-    import anyio
-
-    import aiospawn
 
     run = _Run(plan)
     signums = [getattr(signal, name) for name in SHUTDOWN_SIGNALS]
@@ -655,9 +487,6 @@ def _open_pidfds(run: _Run) -> None:
 
 async def _note_exit(run: _Run, rank: int, pidfd: int) -> None:
     """Record when rank ``rank`` exited: a pidfd of our own turns readable then."""
-    import time
-
-    import anyio
 
     await anyio.wait_readable(pidfd)
     run.exited_at[rank] = time.monotonic()
@@ -666,7 +495,6 @@ async def _note_exit(run: _Run, rank: int, pidfd: int) -> None:
 
 
 async def _on_signals(received: Any, run: _Run, ranks_scope: Any) -> None:
-    import signal
 
     async for signum in received:
         if run.finished:
@@ -683,28 +511,8 @@ async def _on_signals(received: Any, run: _Run, ranks_scope: Any) -> None:
         elif signum == signal.SIGINT:
             run.signals.append(signum)
             _say("SIGINT again: killing the ranks now")
-            _kill_now(run)
-
-
-def _kill_now(run: _Run) -> None:
-    """SIGKILL the process group of every rank that has not exited yet."""
-    import contextlib
-    import select
-    import signal
-
-    if run.group is None:
-        return
-    for pid, pidfd in zip(run.group.pids(), run.pidfds, strict=False):
-        if pidfd is None:
-            continue
-        poller = select.poll()
-        poller.register(pidfd, select.POLLIN)
-        if poller.poll(0):
-            continue  # it exited: its pid may be reaped and reused, leave it
-        # Alive, so not reaped (the event loop that reaps runs this code), so
-        # its pid still names its process group.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pid, signal.SIGKILL)
+            if run.group is not None:
+                await run.group.terminate(grace_period=0)  # hurries the shutdown under way
 
 
 # --------------------------------------------------------------------------- reports
@@ -717,9 +525,6 @@ def _say(line: str) -> None:
 
 def _report(run: _Run) -> int:
     """Print what the run's outcome calls for; return the launcher's exit status."""
-    import time
-
-    import aiospawn
 
     elapsed = time.monotonic() - run.started_at
     nprocs = run.plan.nprocs
@@ -758,7 +563,6 @@ def _report(run: _Run) -> int:
 
 def _root_cause(failure: BaseException) -> str:
     """The failure's message; for a raised exception, its last line and the stderr tail."""
-    import aiospawn
 
     text = str(failure).strip("\n")
     notes = getattr(failure, "__notes__", None)
@@ -778,7 +582,6 @@ def _indent(text: str) -> str:
 
 
 def _table(run: _Run, root: int | None) -> str:
-    import signal
 
     assert run.group is not None
     rows = [("rank", "pid", "exit", "duration")]
@@ -834,10 +637,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _log_to_stderr()
         # Like other command-line tools, die of SIGPIPE when the reader of our
         # output is gone (a pipe to head); the ranks die with us.
-        import signal
 
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-        import anyio
 
         return anyio.run(_supervise, plan, backend="asyncio")
     except KeyboardInterrupt:  # Ctrl-C before the signal handlers were in place
@@ -845,7 +646,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _log_to_stderr() -> None:
-    import logging
 
     logger = logging.getLogger("aiospawn")
     if not logger.handlers:

@@ -34,7 +34,7 @@ from ._launch import LaunchSpec, check_seconds, make_rank, start_ranks
 from ._outcome import RankExit
 from ._output import CaptureBuffer, OutputLine
 from ._shield import run_to_completion
-from ._shutdown import shut_down
+from ._shutdown import Shutdown
 from ._watch import LocalRank
 from ._wire import Kind
 
@@ -74,7 +74,8 @@ class AsyncProcessContext(Generic[T]):
         ]
         self._started = anyio.Event()
         self._root: RankExit | None = None
-        self._shutdown_done: anyio.Event | None = None
+        self._shutdown: Shutdown | None = None
+        self._shutdown_done = anyio.Event()
         self._stuck: list[LocalRank] = []
         self._results: list[T] | None = None
         self._body: anyio.abc.TaskGroup | None = None
@@ -120,7 +121,9 @@ class AsyncProcessContext(Generic[T]):
 
         Each item is an ``OutputLine(rank, stream, line)``, the line without its
         newline. Lines of one rank and stream keep their order. Iteration ends
-        once every rank has exited and its last lines were delivered. While
+        once every rank has exited and its last lines were delivered. Lines are
+        read while the group is supervised: iterate alongside ``join()``, in an
+        ``async with`` block, or around ``terminate()``. While
         nobody iterates, up to 10,000 lines are held; beyond that the ranks
         are held back (their writes block) until the consumer catches up.
 
@@ -174,6 +177,9 @@ class AsyncProcessContext(Generic[T]):
 
         Idempotent, and safe at any time: ranks still starting are signalled
         once their start has finished. Ranks that already exited are left alone.
+        Called while a shutdown is under way, it waits for that one, and a
+        ``grace_period`` shorter than what is left of it hurries it: SIGKILL
+        comes at most ``grace_period`` seconds after SIGTERM (``0``: now).
         A later ``join()`` raises :class:`ProcessExitedException` for the lowest
         rank this stopped, or returns True if every rank had already succeeded.
 
@@ -252,7 +258,7 @@ class AsyncProcessContext(Generic[T]):
         """``join()``; with ``until_all=False`` it also returns (False) after any one exit."""
         try:
             await checkpoint()
-            if self._root is None and self._shutdown_done is None:
+            if self._root is None and self._shutdown is None:
                 exited = self._exited_count()
                 for rank in self._ranks:
                     rank.poll()
@@ -264,7 +270,7 @@ class AsyncProcessContext(Generic[T]):
         except BaseException:
             await self._shut_down(grace_period, after_failure=False)
             raise
-        if self._root is not None or self._shutdown_done is not None:
+        if self._root is not None or self._shutdown is not None:
             await self._shut_down(grace_period, after_failure=self._root is not None)
             error = self._error()
             if error is not None:
@@ -298,18 +304,23 @@ class AsyncProcessContext(Generic[T]):
             body.cancel()
 
     async def _shut_down(self, grace_period: float | None, *, after_failure: bool) -> None:
-        """Run the group's one shutdown, or wait for the one under way; both shielded."""
-        if self._shutdown_done is not None:
+        """Run the group's one shutdown, or wait for the one under way; both shielded.
+
+        A ``grace_period`` given while a shutdown is under way hurries it.
+        """
+        if self._shutdown is not None:
+            if grace_period is not None:
+                self._shutdown.hurry(grace_period)
             await run_to_completion(self._shutdown_done.wait)
             return
-        self._shutdown_done = done = anyio.Event()
         grace = self._grace_period if grace_period is None else grace_period
+        self._shutdown = shutdown = Shutdown(grace, wait_first=after_failure)
+        done = self._shutdown_done
 
         async def escalate() -> None:
             try:
                 await self._started.wait()
-                started = [rank for rank in self._ranks if rank.started]
-                self._stuck = await shut_down(started, grace_period=grace, wait_first=after_failure)
+                self._stuck = await shutdown.run([rank for rank in self._ranks if rank.started])
             finally:
                 done.set()
 

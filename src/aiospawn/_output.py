@@ -23,6 +23,7 @@ its exit is reported.
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -34,6 +35,8 @@ import anyio
 
 from ._pipes import close_watched, rank_pipe
 from ._wire import ChildEnd
+
+logger = logging.getLogger("aiospawn")
 
 STREAMS = ("stdout", "stderr")
 MODES = ("inherit", "prefix", "capture", "devnull")
@@ -184,6 +187,8 @@ class StreamReader:
                 await anyio.wait_readable(self._reader)
             except anyio.ClosedResourceError:
                 return
+            if self._reader is None:  # the exit was recorded as we woke up
+                return
             self._read(limit=1)
 
     def drain(self) -> None:
@@ -234,8 +239,14 @@ class StreamReader:
         self._partial = buffer[start:]
 
     def _emit(self, line: bytes) -> None:
-        for sink in self._sinks:
-            sink(line)
+        for sink in list(self._sinks):
+            try:
+                sink(line)
+            except OSError as exc:
+                # A closed terminal or pipe, a full disk: the output is lost,
+                # the supervision must go on.
+                self._sinks.remove(sink)
+                logger.warning("Stopped copying a rank's %s: %s", self.name, exc)
         if self.name == "stderr":
             self.tail.append(line.decode(errors="replace"))
 

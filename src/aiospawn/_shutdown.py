@@ -2,14 +2,15 @@
 
 Every live rank is signalled at once, so the grace periods overlap: N ranks
 that ignore SIGTERM cost one grace period, not N. The caller runs this shielded
-(see ``_shield``); it never waits without a bound.
+(see ``_shield``); it never waits without a bound, and a shorter grace period
+asked for meanwhile (a second Ctrl-C) hurries it.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import anyio
 from anyio.lowlevel import checkpoint
@@ -27,59 +28,73 @@ DEFAULT_GRACE_PERIOD = 30.0
 REAP_TIMEOUT = 5.0
 
 
-async def shut_down(
-    ranks: Sequence[LocalRank],
-    *,
-    grace_period: float | None,
-    wait_first: bool,
-) -> list[LocalRank]:
-    """Stop every rank that is still running, politely first.
+class Shutdown:
+    """One group's shutdown escalation, which a shorter grace period can hurry.
 
     Args:
-        ranks: The group's started ranks; those that already exited are skipped.
         grace_period: Seconds from SIGTERM to SIGKILL; ``None`` means
             :data:`DEFAULT_GRACE_PERIOD`.
         wait_first: After a rank failed: when ``grace_period`` is set, first
             give the others that long to exit by themselves, as torch does.
-
-    Returns:
-        The ranks that could not be reaped (stuck in the kernel), already logged.
     """
-    if wait_first and grace_period is not None:
-        with anyio.move_on_after(grace_period):
-            await _wait_for_exits(ranks)
-    live = [rank for rank in ranks if rank.poll() is None]
-    for rank in live:
-        if rank.send_signal(signal.SIGTERM):
-            logger.warning(
-                "Terminating process %s via signal SIGTERM (rank %d)", rank.pid, rank.rank
-            )
-        await checkpoint()  # signalling many ranks takes a while: let the loop breathe
-    term_wait = DEFAULT_GRACE_PERIOD if grace_period is None else grace_period
-    with anyio.move_on_after(term_wait):
-        await _wait_for_exits(live)
-    live = [rank for rank in live if rank.poll() is None]
-    for rank in live:
-        if rank.send_signal(signal.SIGKILL):
-            logger.warning(
-                "Process %s (rank %d) still running %g s after SIGTERM; sending SIGKILL",
+
+    def __init__(self, grace_period: float | None, *, wait_first: bool) -> None:
+        self._first_wait = grace_period if wait_first and grace_period is not None else 0.0
+        self._term_wait = DEFAULT_GRACE_PERIOD if grace_period is None else grace_period
+        self._waiting: anyio.CancelScope | None = None
+        self._waiting_since = 0.0
+
+    def hurry(self, grace_period: float) -> None:
+        """Send SIGKILL at most ``grace_period`` seconds after SIGTERM (0: at once)."""
+        self._first_wait = min(self._first_wait, grace_period)
+        self._term_wait = min(self._term_wait, grace_period)
+        if self._waiting is not None:
+            self._waiting.deadline = min(self._waiting.deadline, self._waiting_since + grace_period)
+
+    async def run(self, ranks: Sequence[LocalRank]) -> list[LocalRank]:
+        """Stop every rank of ``ranks`` that is still running, politely first.
+
+        Returns:
+            The ranks that could not be reaped (stuck in the kernel), already logged.
+        """
+        await self._wait(ranks, lambda: self._first_wait)
+        live = [rank for rank in ranks if rank.poll() is None]
+        for rank in live:
+            if rank.send_signal(signal.SIGTERM):
+                logger.warning(
+                    "Terminating process %s via signal SIGTERM (rank %d)", rank.pid, rank.rank
+                )
+            await checkpoint()  # signalling many ranks takes a while: let the loop breathe
+        await self._wait(live, lambda: self._term_wait)
+        live = [rank for rank in live if rank.poll() is None]
+        for rank in live:
+            if rank.send_signal(signal.SIGKILL):
+                logger.warning(
+                    "Process %s (rank %d) still running %g s after SIGTERM; sending SIGKILL",
+                    rank.pid,
+                    rank.rank,
+                    self._term_wait,
+                )
+            await checkpoint()
+        with anyio.move_on_after(REAP_TIMEOUT):
+            await _wait_for_exits(live)
+        stuck = [rank for rank in live if rank.poll() is None]
+        for rank in stuck:
+            logger.error(
+                "Process %s (rank %d) did not exit %g s after SIGKILL; it is probably in"
+                " uninterruptible sleep (state D), waiting on the kernel or a device",
                 rank.pid,
                 rank.rank,
-                term_wait,
+                REAP_TIMEOUT,
             )
-        await checkpoint()
-    with anyio.move_on_after(REAP_TIMEOUT):
-        await _wait_for_exits(live)
-    stuck = [rank for rank in live if rank.poll() is None]
-    for rank in stuck:
-        logger.error(
-            "Process %s (rank %d) did not exit %g s after SIGKILL; it is probably in"
-            " uninterruptible sleep (state D), waiting on the kernel or a device",
-            rank.pid,
-            rank.rank,
-            REAP_TIMEOUT,
-        )
-    return stuck
+        return stuck
+
+    async def _wait(self, ranks: Sequence[LocalRank], seconds: Callable[[], float]) -> None:
+        """Wait for ``ranks`` to exit, at most ``seconds()``, read now and on each hurry."""
+        self._waiting_since = anyio.current_time()
+        with anyio.move_on_after(seconds()) as self._waiting:
+            await _wait_for_exits(ranks)
+        self._waiting = None
 
 
 async def _wait_for_exits(ranks: Sequence[LocalRank]) -> None:

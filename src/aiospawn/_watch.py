@@ -236,7 +236,12 @@ class LocalRank:
     def _finish(self, exit_code: int) -> None:
         pid = self.process.pid
         assert pid is not None
-        self._output.drain()  # what the rank wrote just before it exited
+        try:
+            self._output.drain()  # what the rank wrote just before it exited
+        finally:
+            self._record(exit_code, pid)
+
+    def _record(self, exit_code: int, pid: int) -> None:
         self._exit = RankExit(
             rank=self.rank,
             pid=pid,

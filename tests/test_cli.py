@@ -1,0 +1,655 @@
+"""The ``aiospawn`` command line, run for real in subprocesses.
+
+Each test starts ``python -m aiospawn run ...`` (one test the installed
+``aiospawn`` script) from the repository root, with the small programs of
+``tests/cli_programs`` as targets. Tests that signal the launcher start it in
+a session of its own, wait for the ranks' ``ready PID`` lines (no sleeping),
+and check afterwards that no rank is left; a failed test kills what is left
+of that session.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import re
+import select
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import termios
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from tests.conftest import wait_until
+
+REPO = Path(__file__).resolve().parent.parent
+PROGRAMS = Path(__file__).resolve().parent / "cli_programs"
+LAUNCHER = [sys.executable, "-m", "aiospawn"]
+
+#: Seconds a launcher may take for anything these tests ask of it (a tripwire).
+TRIPWIRE = 60.0
+
+PREFIXED = re.compile(r"^\[rank(\d+)\]: (.*)$")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _pytest_basetemp(tmp_path_factory: pytest.TempPathFactory) -> None:
+    # pytest makes its base temp dir on first use, inside our temp dir; made
+    # before the leak check's baseline, it is not a leak of the first test.
+    tmp_path_factory.getbasetemp()
+
+
+def program(name: str) -> str:
+    return str(PROGRAMS / name)
+
+
+def environ(**changes: str | None) -> dict[str, str]:
+    """The launcher's environment: ours, OMP_NUM_THREADS set (no note), then ``changes``."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for key, value in changes.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return env
+
+
+def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run the launcher to its end and return its status, stdout and stderr."""
+    return subprocess.run(
+        [*LAUNCHER, *args],
+        cwd=REPO,
+        env=environ() if env is None else env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=TRIPWIRE,
+        check=False,
+    )
+
+
+def by_rank(stdout: str) -> dict[int, list[str]]:
+    """The ``[rankN]: line`` lines of an output, grouped by rank, prefixes removed."""
+    lines: dict[int, list[str]] = {}
+    for line in stdout.splitlines():
+        match = PREFIXED.match(line)
+        assert match, f"a line without a rank prefix: {line!r}"
+        lines.setdefault(int(match[1]), []).append(match[2])
+    return lines
+
+
+def json_by_rank(stdout: str) -> dict[int, Any]:
+    return {rank: json.loads(lines[0]) for rank, lines in by_rank(stdout).items()}
+
+
+def is_gone(pid: int) -> bool:
+    """True if ``pid`` no longer runs: no such process, or a zombie."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def session_members(sid: int) -> list[int]:
+    members = []
+    for process in psutil.process_iter():
+        with contextlib.suppress(OSError):
+            if os.getsid(process.pid) == sid and process.pid != os.getpid():
+                members.append(process.pid)
+    return members
+
+
+class Launcher:
+    """A launcher running in the background, in a session of its own."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+        self.proc = subprocess.Popen(
+            [*LAUNCHER, *args],
+            cwd=REPO,
+            env=environ() if env is None else env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+        self.out = b""
+        self.err = b""
+
+    def wait_for_lines(self, pattern: str, count: int) -> list[re.Match[str]]:
+        """Read stdout until ``count`` lines match ``pattern``; return the matches."""
+        regex = re.compile(pattern)
+        deadline = time.monotonic() + TRIPWIRE
+        assert self.proc.stdout is not None
+        assert self.proc.stderr is not None
+        while True:
+            found = [m for line in self.out.decode().splitlines() if (m := regex.search(line))]
+            if len(found) >= count:
+                return found
+            left = deadline - time.monotonic()
+            assert left > 0, f"no {count} lines {pattern!r} in time: {self.out!r} {self.err!r}"
+            ready, _, _ = select.select([self.proc.stdout, self.proc.stderr], [], [], left)
+            for stream in ready:
+                data = os.read(stream.fileno(), 65536)
+                assert data, f"the launcher ended early: {self.out!r} {self.err!r}"
+                if stream is self.proc.stdout:
+                    self.out += data
+                else:
+                    self.err += data
+
+    def ready_pids(self, count: int) -> list[int]:
+        return [int(match[1]) for match in self.wait_for_lines(r"ready (\d+)$", count)]
+
+    def signal(self, signum: int) -> None:
+        self.proc.send_signal(signum)
+
+    def finish(self) -> tuple[int, str, str]:
+        """Wait for the launcher to exit; return its status and whole stdout and stderr."""
+        out, err = self.proc.communicate(timeout=TRIPWIRE)
+        return self.proc.returncode, (self.out + out).decode(), (self.err + err).decode()
+
+    def cleanup(self) -> None:
+        """After the test: nothing of this session may be left, whatever happened."""
+        if self.proc.returncode is None:
+            self.proc.kill()
+            self.proc.communicate()
+        for pid in session_members(self.proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def launchers() -> Iterator[list[Launcher]]:
+    started: list[Launcher] = []
+    yield started
+    for launcher in started:
+        launcher.cleanup()
+
+
+def start(launchers: list[Launcher], *args: str, env: dict[str, str] | None = None) -> Launcher:
+    launcher = Launcher(*args, env=env)
+    launchers.append(launcher)
+    return launcher
+
+
+# ----------------------------------------------------------------- output and streams
+
+
+def test_two_ranks_are_prefixed_and_print_nothing_else() -> None:
+    result = run("run", "-n", "2", program("show_env.py"))
+    assert result.returncode == 0, result.stderr
+    assert sorted(json_by_rank(result.stdout)) == [0, 1]
+    assert sorted(result.stderr.splitlines()) == [
+        "[rank0]: stderr of rank 0",
+        "[rank1]: stderr of rank 1",
+    ]
+
+
+def test_one_rank_inherits_the_streams() -> None:
+    result = run("run", program("show_env.py"))
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["WORLD_SIZE"] == "1"
+    assert result.stderr == "stderr of rank 0\n"
+
+
+def test_verbose_adds_one_summary_line() -> None:
+    result = run("run", "-v", "-n", "2", program("show_env.py"))
+    assert result.returncode == 0, result.stderr
+    extra = [line for line in result.stderr.splitlines() if not line.startswith("[rank")]
+    assert len(extra) == 1
+    assert re.fullmatch(r"aiospawn: 2 ranks of .*show_env\.py succeeded in [\d.]+ s", extra[0])
+
+
+def test_log_dir_writes_owner_only_files_and_nothing_to_the_terminal(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    result = run("run", "-n", "2", "--log-dir", str(logs), program("show_env.py"))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == result.stderr == ""
+    assert stat.S_IMODE(logs.stat().st_mode) == 0o700
+    for rank in range(2):
+        out, err = logs / f"rank{rank}.stdout", logs / f"rank{rank}.stderr"
+        assert stat.S_IMODE(out.stat().st_mode) == stat.S_IMODE(err.stat().st_mode) == 0o600
+        assert json.loads(out.read_text())["RANK"] == str(rank)
+        assert err.read_text() == f"stderr of rank {rank}\n"
+
+
+def test_tee_writes_files_and_the_terminal(tmp_path: Path) -> None:
+    result = run("run", "-n", "2", "--log-dir", str(tmp_path), "--tee", program("show_env.py"))
+    assert result.returncode == 0, result.stderr
+    for rank, (line,) in by_rank(result.stdout).items():
+        assert line == (tmp_path / f"rank{rank}.stdout").read_text().rstrip("\n")
+    assert "[rank1]: stderr of rank 1" in result.stderr.splitlines()
+    assert (tmp_path / "rank1.stderr").read_text() == "stderr of rank 1\n"
+
+
+def test_stream_modes_apply_to_each_stream(tmp_path: Path) -> None:
+    result = run(
+        "run", "-n", "2", "--stdout", "devnull", "--stderr", str(tmp_path), program("show_env.py")
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == result.stderr == ""
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["rank0.stderr", "rank1.stderr"]
+
+
+# ------------------------------------------------------------------------ environment
+
+
+def test_ranks_get_torchrun_variables_and_env_options() -> None:
+    result = run(
+        "run",
+        "-n",
+        "2",
+        "--env",
+        "AIOSPAWN_TEST_A=1",
+        "--env",
+        "AIOSPAWN_TEST_B=x=y",
+        program("show_env.py"),
+    )
+    assert result.returncode == 0, result.stderr
+    shown = json_by_rank(result.stdout)
+    port = shown[0]["MASTER_PORT"]
+    assert 0 < int(port) < 65536
+    for rank in range(2):
+        assert shown[rank] == {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_WORLD_SIZE": "2",
+            "GROUP_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+            "OMP_NUM_THREADS": "1",
+            "AIOSPAWN_TEST_A": "1",
+            "AIOSPAWN_TEST_B": "x=y",
+        }
+
+
+def test_omp_num_threads_is_set_with_a_note_only_when_unset() -> None:
+    unset = run("run", "-n", "2", program("show_env.py"), env=environ(OMP_NUM_THREADS=None))
+    assert unset.returncode == 0, unset.stderr
+    assert {shown["OMP_NUM_THREADS"] for shown in json_by_rank(unset.stdout).values()} == {"1"}
+    notes = [line for line in unset.stderr.splitlines() if not line.startswith("[rank")]
+    assert len(notes) == 1
+    assert notes[0].startswith("aiospawn: OMP_NUM_THREADS is unset")
+    chosen = run("run", "-n", "2", program("show_env.py"), env=environ(OMP_NUM_THREADS="3"))
+    assert {shown["OMP_NUM_THREADS"] for shown in json_by_rank(chosen.stdout).values()} == {"3"}
+    assert "OMP_NUM_THREADS" not in chosen.stderr
+    alone = run("run", program("show_env.py"), env=environ(OMP_NUM_THREADS=None))
+    assert json.loads(alone.stdout)["OMP_NUM_THREADS"] is None
+    assert alone.stderr == "stderr of rank 0\n"
+
+
+def test_master_port_is_free_for_a_rank_to_bind() -> None:
+    result = run("run", "-n", "2", program("bind_port.py"))
+    assert result.returncode == 0, result.stderr
+    assert re.fullmatch(r"\[rank0\]: bound \d+\n", result.stdout)
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) > 4, reason="starts one rank per CPU")
+def test_nprocs_auto_is_one_rank_per_cpu() -> None:
+    cpus = os.cpu_count() or 1
+    result = run("run", "-n", "auto", program("show_env.py"))
+    assert result.returncode == 0, result.stderr
+    shown = json_by_rank(result.stdout) if cpus > 1 else {0: json.loads(result.stdout)}
+    assert sorted(shown) == list(range(cpus))
+    assert shown[0]["WORLD_SIZE"] == str(cpus)
+
+
+# ----------------------------------------------------------------------- launch modes
+
+
+def test_script_runs_as_main_with_its_argv_and_directory() -> None:
+    script = program("show_main.py")
+    result = run("run", "-n", "2", script, "a", "--flag", "-n", "3")
+    assert result.returncode == 0, result.stderr
+    for shown in json_by_rank(result.stdout).values():
+        assert shown == {
+            "name": "__main__",
+            "argv": [script, "a", "--flag", "-n", "3"],
+            "path0": str(PROGRAMS),
+            "file": script,
+        }
+
+
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+def test_other_start_methods_run_the_script(start_method: str) -> None:
+    script = program("show_main.py")
+    result = run("run", "-n", "2", "--start-method", start_method, script, "z")
+    assert result.returncode == 0, result.stderr
+    for shown in json_by_rank(result.stdout).values():
+        assert shown["name"] == "__main__"
+        assert shown["argv"] == [script, "z"]
+
+
+def test_a_script_can_use_a_spawn_pool_of_its_own_functions() -> None:
+    # The pool's workers import the script as their __main__, as for python script.py.
+    result = run("run", "-n", "2", program("pool_main.py"))
+    assert result.returncode == 0, result.stderr
+    assert by_rank(result.stdout) == {0: ["0 285"], 1: ["1 285"]}
+
+
+def test_installed_script_runs_ranks() -> None:
+    command = Path(sys.executable).with_name("aiospawn")
+    result = subprocess.run(
+        [str(command), "run", "-n", "2", program("show_env.py")],
+        cwd=REPO,
+        env=environ(),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=TRIPWIRE,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert sorted(json_by_rank(result.stdout)) == [0, 1]
+
+
+def test_module_runs_as_main() -> None:
+    result = run("run", "-n", "2", "-m", "tests.cli_programs.mod_main", "x", "--y")
+    assert result.returncode == 0, result.stderr
+    for rank, shown in json_by_rank(result.stdout).items():
+        assert shown == {
+            "name": "__main__",
+            "spec": "tests.cli_programs.mod_main",
+            "argv": ["x", "--y"],
+            "rank": str(rank),
+        }
+
+
+def test_fn_is_called_with_the_rank_and_string_arguments() -> None:
+    result = run("run", "-n", "2", "--fn", "tests.cli_programs.functions:greet", "7", "b")
+    assert result.returncode == 0, result.stderr
+    for rank, shown in json_by_rank(result.stdout).items():
+        assert shown == {"rank": rank, "args": ["7", "b"], "env_rank": str(rank)}
+
+
+def test_no_python_runs_any_program_with_the_rank_environment() -> None:
+    result = run(
+        "run", "-n", "2", "--no-python", "/bin/sh", "-c", 'echo "rank=$RANK of $WORLD_SIZE $0"'
+    )
+    assert result.returncode == 0, result.stderr
+    assert by_rank(result.stdout) == {0: ["rank=0 of 2 /bin/sh"], 1: ["rank=1 of 2 /bin/sh"]}
+
+
+@pytest.mark.parametrize(
+    ("script", "status"),
+    [
+        ('[ "$RANK" = 1 ] && exit 6; sleep 30', 6),
+        ('[ "$RANK" = 1 ] && kill -USR1 $$; sleep 30', 138),
+    ],
+    ids=["exit-code", "signal"],
+)
+def test_no_python_program_status_becomes_the_launchers(script: str, status: int) -> None:
+    result = run("run", "-n", "2", "--grace-period", "1", "--no-python", "sh", "-c", script)
+    assert result.returncode == status, result.stderr
+
+
+# ------------------------------------------------------------- failures and summaries
+
+
+@pytest.mark.parametrize(
+    ("how", "status", "row"),
+    [
+        ("raise", 1, "exit code 1, root cause"),
+        ("exit3", 3, "exit code 3, root cause"),
+        (
+            "sigkill",
+            137,
+            "SIGKILL (-9), not sent by aiospawn: out of memory? (see dmesg), root cause",
+        ),
+    ],
+    ids=["raise", "exit3", "sigkill"],
+)
+def test_failing_rank_sets_the_status_and_the_summary(how: str, status: int, row: str) -> None:
+    result = run("run", "-n", "2", "--grace-period", "1", program("fail.py"), how, "1")
+    assert result.returncode == status
+    summary = result.stderr[result.stderr.index("aiospawn: rank 1 failed (root cause): ") :]
+    lines = summary.splitlines()
+    assert "rank 1 is about to fail" in summary  # the tail of its stderr
+    if how == "raise":
+        assert lines[0].endswith("raised ValueError: cli: a bad shard")
+    table = lines[lines.index(next(line for line in lines if "summary of" in line)) + 1 :]
+    assert table[0].split() == ["rank", "pid", "exit", "duration"]
+    assert re.fullmatch(r"\s+0\s+\d+\s+SIGTERM \(-15\), stopped by aiospawn\s+[\d.]+ s", table[1])
+    assert re.fullmatch(rf"\s+1\s+\d+\s+{re.escape(row)}\s+[\d.]+ s", table[2])
+    assert len(table) == 3
+
+
+def test_a_traceback_reaches_the_ranks_stderr_without_launcher_frames() -> None:
+    result = run("run", "-n", "2", "--grace-period", "1", program("fail.py"), "raise", "0")
+    source = Path(program("fail.py")).read_text().splitlines()
+    line = 1 + next(n for n, text in enumerate(source) if "raise ValueError" in text)
+    traceback = [text for text in by_rank_lines(result.stderr, 0) if text.startswith("  File")]
+    assert traceback == [f'  File "{program("fail.py")}", line {line}, in <module>']
+
+
+def by_rank_lines(text: str, rank: int) -> list[str]:
+    return [m[2] for line in text.splitlines() if (m := PREFIXED.match(line)) and m[1] == str(rank)]
+
+
+# ------------------------------------------------------------------------- bad usage
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["run", "--bogus", "TOUCH"],
+        ["run", "-n", "two", "TOUCH"],
+        ["run", "-n", "0", "TOUCH"],
+        ["run", "--grace-period", "-1", "TOUCH"],
+        ["run", "missing_script.py"],
+        ["run"],
+        ["run", "--fn", "tests.cli_programs.functions:nope"],
+        ["run", "--fn", "tests.cli_programs.functions:NOT_CALLABLE"],
+        ["run", "--fn", "tests.cli_programs.functions"],
+        ["run", "--fn", "no_such_module_here:main"],
+        ["run", "-m", "no_such_module_here"],
+        ["run", "--no-python", "/no/such/program"],
+        ["run", "--max-restarts", "2", "TOUCH"],
+        ["run", "--restart-window", "60", "TOUCH"],
+        ["run", "--stdout", "capture", "TOUCH"],
+        ["run", "--tee", "TOUCH"],
+        ["run", "-m", "--fn", "x:y"],
+        ["frobnicate"],
+        [],
+    ],
+    ids=lambda args: " ".join(args) or "nothing",
+)
+def test_bad_usage_exits_2_with_one_line_before_starting(args: list[str], tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    args = [f"{program('touch.py')}" if arg == "TOUCH" else arg for arg in args]
+    if args and args[-1] == program("touch.py"):
+        args.append(str(marker))
+    result = run(*args)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("aiospawn: error: ")
+    assert not marker.exists()
+
+
+def test_max_restarts_zero_is_accepted(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    result = run("run", "--max-restarts", "0", program("touch.py"), str(marker))
+    assert result.returncode == 0, result.stderr
+    assert marker.exists()
+
+
+def test_help_documents_the_options() -> None:
+    result = run("run", "--help")
+    assert result.returncode == 0
+    for option in ("--nprocs", "--start-method", "--grace-period", "--stdout", "--stderr"):
+        assert option in result.stdout
+    for option in ("--log-dir", "--tee", "--env", "--verbose", "-m", "--fn", "--no-python"):
+        assert option in result.stdout
+    assert "MASTER_PORT" in result.stdout
+    assert "128 + signal" in result.stdout
+
+
+# ---------------------------------------------------------------------------- signals
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT])
+def test_signal_stops_the_ranks_and_exits_128_plus_signal(
+    signum: int, launchers: list[Launcher]
+) -> None:
+    launcher = start(launchers, "run", "-n", "2", "--grace-period", "5", program("sleeper.py"))
+    pids = launcher.ready_pids(2)
+    launcher.signal(signum)
+    status, _, err = launcher.finish()
+    assert status == 128 + signum, err
+    assert all(is_gone(pid) for pid in pids)
+    assert f"aiospawn: {signal.Signals(signum).name} received" in err
+    assert err.count("SIGTERM (-15), stopped by aiospawn") == 2
+
+
+def test_second_sigint_kills_ranks_that_ignore_sigterm(launchers: list[Launcher]) -> None:
+    launcher = start(
+        launchers, "run", "-n", "2", "--grace-period", "60", program("sleeper.py"), "ignore-term"
+    )
+    pids = launcher.ready_pids(2)
+    began = time.monotonic()
+    launcher.signal(signal.SIGINT)
+    launcher.wait_for_lines(r"SIGTERM ignored \d+$", 2)  # the shutdown is under way
+    launcher.signal(signal.SIGINT)
+    status, _, err = launcher.finish()
+    assert status == 130, err
+    assert time.monotonic() - began < 30  # far from the 60 s grace period
+    assert all(is_gone(pid) for pid in pids)
+    assert err.count("SIGKILL (-9), stopped by aiospawn") == 2
+
+
+def test_sigterm_reaches_a_no_python_program(launchers: list[Launcher]) -> None:
+    launcher = start(
+        launchers,
+        "run",
+        "-n",
+        "2",
+        "--grace-period",
+        "5",
+        "--no-python",
+        "sh",
+        "-c",
+        "echo ready $$; exec sleep 60",
+    )
+    programs = launcher.ready_pids(2)
+    wrappers = [psutil.Process(pid).ppid() for pid in programs]
+    launcher.signal(signal.SIGTERM)
+    status, _, err = launcher.finish()
+    assert status == 143, err
+    assert all(is_gone(pid) for pid in programs + wrappers)
+    assert err.count("SIGTERM (-15), stopped by aiospawn") == 2
+
+
+def test_a_no_python_program_dies_with_its_rank(launchers: list[Launcher]) -> None:
+    launcher = start(
+        launchers, "run", "-n", "2", "--no-python", "sh", "-c", "echo ready $$; exec sleep 60"
+    )
+    programs = launcher.ready_pids(2)
+    rank = psutil.Process(programs[0]).ppid()
+    os.kill(rank, signal.SIGKILL)  # the rank alone, as the out-of-memory killer would
+    status, _, err = launcher.finish()
+    assert status == 137, err
+    assert "out of memory?" in err
+    assert wait_until(lambda: all(is_gone(pid) for pid in programs), 10)
+
+
+def test_a_closed_output_pipe_ends_the_launcher_and_its_ranks(launchers: list[Launcher]) -> None:
+    launcher = start(launchers, "run", "-n", "2", program("flood.py"))
+    pids = launcher.ready_pids(2)
+    assert launcher.proc.stdout is not None
+    launcher.proc.stdout.close()  # as head does once it has its lines
+    assert launcher.proc.wait(TRIPWIRE) == -signal.SIGPIPE
+    assert launcher.proc.stderr is not None
+    err = launcher.proc.stderr.read().decode()
+    launcher.proc.stderr.close()
+    assert "Traceback" not in err
+    assert wait_until(lambda: all(is_gone(pid) for pid in pids), 10), pids
+
+
+@pytest.mark.parametrize("mode", ["script", "no-python"])
+def test_sigkill_of_the_launcher_leaves_no_rank(mode: str, launchers: list[Launcher]) -> None:
+    # A SIGKILLed launcher cannot clean up after multiprocessing: its own temp dir.
+    tmp = tempfile.mkdtemp(prefix="aiospawn-cli-")
+    try:
+        target = (
+            [program("sleeper.py")]
+            if mode == "script"
+            else ["--no-python", "sh", "-c", "echo ready $$; exec sleep 60"]
+        )
+        launcher = start(launchers, "run", "-n", "2", *target, env=environ(TMPDIR=tmp))
+        pids = launcher.ready_pids(2)
+        family = pids + [psutil.Process(pid).ppid() for pid in pids if mode == "no-python"]
+        launcher.signal(signal.SIGKILL)
+        launcher.finish()
+        assert wait_until(lambda: all(is_gone(pid) for pid in family), 10), family
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _take_terminal() -> None:
+    # In the new session: make the pseudo-terminal on fd 0 our controlling
+    # terminal, so that its ^C sends SIGINT to our (foreground) process group.
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
+def test_ctrl_c_in_a_terminal_stops_the_ranks_and_exits_130() -> None:
+    master, terminal = os.openpty()
+    launcher = subprocess.Popen(
+        [*LAUNCHER, "run", "-n", "2", "--grace-period", "5", program("sleeper.py")],
+        cwd=REPO,
+        env=environ(),
+        stdin=terminal,
+        stdout=terminal,
+        stderr=terminal,
+        start_new_session=True,
+        preexec_fn=_take_terminal,
+    )
+    os.close(terminal)
+    seen = b""
+    try:
+
+        def read_until(done: Any) -> None:
+            nonlocal seen
+            deadline = time.monotonic() + TRIPWIRE
+            while not done(seen):
+                left = deadline - time.monotonic()
+                assert left > 0, f"the terminal showed: {seen!r}"
+                if select.select([master], [], [], left)[0]:
+                    try:
+                        data = os.read(master, 65536)
+                    except OSError:  # EIO: every holder of the terminal has closed it
+                        data = b""
+                    if not data:
+                        return
+                    seen += data
+
+        read_until(lambda text: len(re.findall(rb"ready \d+", text)) == 2)
+        pids = [int(pid) for pid in re.findall(rb"ready (\d+)", seen)]
+        os.write(master, b"\x03")
+        read_until(lambda text: False)  # to the end of output
+        assert launcher.wait(TRIPWIRE) == 130, seen
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        for pid in session_members(launcher.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        os.close(master)
+    text = seen.decode(errors="replace")
+    assert all(is_gone(pid) for pid in pids)
+    assert "SIGINT received" in text
+    # Only the launcher got the SIGINT; the ranks were stopped by its SIGTERM.
+    assert text.count("SIGTERM (-15), stopped by aiospawn") == 2
+    assert "KeyboardInterrupt" not in text
