@@ -431,3 +431,27 @@ def child_thread_signal_masks(rank: int) -> dict[str, int]:
                 if line.startswith("SigBlk:"):
                     masks[task] = int(line.split()[1], 16)
     return masks
+
+
+def crash_print_then_raise(rank: int, megabytes: int) -> None:
+    """Write ``megabytes`` MB to stdout, then fail as rank 1 of the crash matrix does."""
+    if rank != 1:
+        sleep_forever(rank)
+    line = "x" * 1023 + "\n"
+    for _ in range(megabytes * 1024):
+        sys.stdout.write(line)
+    sys.stdout.flush()
+    raise ValueError(f"bad shard {rank}")
+
+
+def crash_stubborn_sibling(rank: int, behaviour: str, ready: Any, release: Any) -> None:
+    """Rank 0 refuses SIGTERM (``behaviour``) and says so; rank 1 raises once released."""
+    if rank == 0:
+        if behaviour == "ignores SIGTERM":
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        else:  # "hangs in C, SIGTERM blocked": the signal stays pending
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        ready.send("ready")
+        time.sleep(3600)
+    release.wait()
+    raise ValueError(f"bad shard {rank}")

@@ -316,3 +316,51 @@ async def test_the_guard_thread_blocks_every_signal_so_the_rank_gets_its_own(
     assert len(masks) == 1, masks  # the guard thread, nothing else
     [mask] = masks.values()
     assert all(mask & (1 << (signum - 1)) for signum in catchable)
+
+
+@pytest.mark.parametrize("start_method", START_METHODS)
+async def test_ten_megabytes_of_output_before_failing_are_no_obstacle(start_method: str) -> None:
+    # The rank blocks on a full stdout unless someone reads it; pytest's capture does.
+    with (
+        tripwire(60, "join() of a group whose rank 1 printed 10 MB, then raised"),
+        pytest.raises(aiospawn.ProcessRaisedException) as info,
+    ):
+        await aiospawn.start_processes(
+            ranks.crash_print_then_raise,
+            (10,),
+            nprocs=2,
+            start_method=start_method,
+            grace_period=0.5,
+        )
+    assert info.value.error_index == 1
+    value_error(info.value.__cause__, info.value.msg)
+
+
+@pytest.mark.parametrize("start_method", START_METHODS)
+@pytest.mark.parametrize("behaviour", ["ignores SIGTERM", "hangs in C, SIGTERM blocked"])
+async def test_a_sibling_that_will_not_stop_is_killed_after_the_grace_period(
+    behaviour: str, start_method: str
+) -> None:
+    context = multiprocessing.get_context(start_method)
+    release = context.Event()
+    reader, writer = context.Pipe(duplex=False)
+    with reader, writer:
+        ctx = await aiospawn.start_processes(
+            ranks.crash_stubborn_sibling,
+            (behaviour, writer, release),
+            nprocs=2,
+            join=False,
+            start_method=start_method,
+            grace_period=0.5,
+        )
+        assert await receive(reader, "rank 0 refusing SIGTERM") == "ready"
+        release.set()
+        with (
+            tripwire(60, f"join() while rank 0 {behaviour}"),
+            pytest.raises(aiospawn.ProcessRaisedException) as info,
+        ):
+            await ctx.join()
+    assert info.value.error_index == 1  # the root cause, not the rank we killed
+    assert [process.exitcode for process in ctx.processes] == [-signal.SIGKILL, 1]
+    for pid in ctx.pids():
+        assert not psutil.pid_exists(pid), f"rank pid {pid} was not reaped"
