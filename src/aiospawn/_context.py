@@ -202,7 +202,7 @@ class AsyncProcessContext(Generic[T]):
             raise RuntimeError(f"{self!r} is already supervising an async with block")
         body = anyio.create_task_group()
         await body.__aenter__()
-        body.start_soon(self._cancel_body_on_failure, body.cancel_scope)
+        body.start_soon(self._watch_during_body)
         self._body = body
         return self
 
@@ -298,10 +298,10 @@ class AsyncProcessContext(Generic[T]):
                 if rank.exit is None:
                     tg.start_soon(wait_for, rank, tg.cancel_scope)
 
-    async def _cancel_body_on_failure(self, body: anyio.CancelScope) -> None:
+    async def _watch_during_body(self) -> None:
+        # The ranks' exits are seen only while someone waits for them; when one
+        # fails, _on_exit cancels the block.
         await self._wait_for_exits(until_all=True)
-        if self._root is not None:
-            body.cancel()
 
     async def _shut_down(self, grace_period: float | None, *, after_failure: bool) -> None:
         """Run the group's one shutdown, or wait for the one under way; both shielded.
