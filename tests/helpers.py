@@ -3,24 +3,33 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from multiprocessing.connection import Connection
 from typing import Any
 
 import anyio
+import pytest
 
 #: ``(reader, writer)``: the test reads the first end, the ranks write to the second.
 Events = tuple[Connection, Connection]
 
 
-async def receive(reader: Connection, what: str) -> Any:
-    """Read one message the ranks sent; fail, rather than hang, if none comes in 30 s."""
+@contextmanager
+def tripwire(seconds: float, what: str) -> Iterator[None]:
+    """Fail (rather than hang) if the block takes ``seconds``: something deadlocked."""
+    try:
+        with anyio.fail_after(seconds):
+            yield
+    except TimeoutError:
+        pytest.fail(f"deadlock: {what} did not finish within {seconds} s")
 
-    def get() -> Any:
-        if not reader.poll(30):
-            raise AssertionError(f"no {what} from the ranks within 30 s")
-        return reader.recv()
 
-    return await anyio.to_thread.run_sync(get)
+async def receive(reader: Connection, what: str, seconds: float = 30.0) -> Any:
+    """Read one message the ranks sent; fail, rather than hang, if none comes in time."""
+    if not await anyio.to_thread.run_sync(reader.poll, seconds):
+        pytest.fail(f"no {what} from the ranks within {seconds} s")
+    return reader.recv()
 
 
 async def receive_ready(reader: Connection, nprocs: int) -> dict[int, int]:

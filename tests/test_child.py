@@ -13,8 +13,7 @@ import multiprocessing
 import os
 import re
 import signal
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +23,7 @@ import pytest
 
 import aiospawn
 from tests import ranks
+from tests.helpers import receive, tripwire
 
 pytestmark = pytest.mark.anyio
 
@@ -32,23 +32,6 @@ START_METHODS = ["spawn", "forkserver", "fork"]
 RAISED_HEAD = re.escape("\n\n-- Process 1 terminated with the following error:\n") + (
     r"Traceback \(most recent call last\):\n.*"
 )
-
-
-@contextmanager
-def tripwire(seconds: float, what: str) -> Iterator[None]:
-    """Fail (rather than hang) if the block takes ``seconds``: something deadlocked."""
-    try:
-        with anyio.fail_after(seconds):
-            yield
-    except TimeoutError:
-        pytest.fail(f"deadlock: {what} did not finish within {seconds} s")
-
-
-async def receive(conn: Any, what: str, seconds: float = 30.0) -> Any:
-    """Receive the next message a rank sent on ``conn`` without blocking the loop."""
-    if not await anyio.to_thread.run_sync(conn.poll, seconds):
-        pytest.fail(f"no message within {seconds} s: {what}")
-    return conn.recv()
 
 
 def remote_traceback_of(type_name: str) -> Callable[[BaseException | None, str], None]:

@@ -201,8 +201,8 @@ def draw_trial(rng: random.Random, index: int, backend: str) -> Trial:
         api=rng.choice(["start_processes", "join", "open_group"]),
         point=point,
         native=backend == "asyncio" and rng.random() < 0.5,
-        # Half land within a few loop turns (the start hops to a worker thread
-        # and back), half after a short delay: a fork start takes ~10 ms, spawn ~60 ms.
+        # Half land within a few loop turns, half after a short delay as well:
+        # a fork start takes a few ms per rank, a spawn start ~60 ms.
         checkpoints=int(30 ** rng.random()) - 1,  # 0..28, log-uniform: mostly few
         delay=0.0 if rng.random() < 0.5 else rng.uniform(0, 0.01 if method == "fork" else 0.08),
         double=rng.random() < 0.5,
@@ -253,9 +253,12 @@ async def _run_trial(
 
     async def first_trigger() -> None:
         if trial.point == "start":
+            # Each checkpoint lets the group's start take one step (a fork
+            # start is a checkpoint, then a fork on the loop's thread, per rank).
             for _ in range(trial.checkpoints):
                 await anyio.lowlevel.checkpoint()
-            await anyio.sleep(trial.delay)
+            if trial.delay:
+                await anyio.sleep(trial.delay)
         else:
             await inbox.wait_for("ready", trial.nprocs)
 
@@ -290,11 +293,13 @@ async def _run_trial(
             async with anyio.create_task_group() as tg:
                 if not trial.native:
                     tg.start_soon(in_scopes)
-                if not await first_of(first_trigger, done):
+                if trial.point == "start":
+                    # Directly, not through first_of(), whose own task would
+                    # cost loop turns: the group cannot end by itself meanwhile.
+                    await first_trigger()
+                elif not await first_of(first_trigger, done):
                     ended = task if trial.native else outcome
-                    raise AssertionError(
-                        f"{trial}: the group ended before its cancellation: {ended}"
-                    )
+                    raise AssertionError(f"{trial}: ended before its cancellation: {ended}")
                 cancel_first()
                 if await first_of(second_trigger, done):
                     cancel_second()

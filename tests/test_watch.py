@@ -6,38 +6,18 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any
 
-import anyio
 import psutil
 import pytest
 
 import aiospawn
 from tests import ranks
 from tests.conftest import wait_until
+from tests.helpers import receive, tripwire
 
 pytestmark = pytest.mark.anyio
 
 START_METHODS = ["spawn", "forkserver", "fork"]
-
-
-@contextmanager
-def tripwire(seconds: float, what: str) -> Iterator[None]:
-    """Fail (rather than hang) if the block takes ``seconds``: something deadlocked."""
-    try:
-        with anyio.fail_after(seconds):
-            yield
-    except TimeoutError:
-        pytest.fail(f"deadlock: {what} did not finish within {seconds} s")
-
-
-async def receive(conn: Any, what: str, seconds: float = 30.0) -> Any:
-    """Receive the next message a rank sent on ``conn`` without blocking the loop."""
-    if not await anyio.to_thread.run_sync(conn.poll, seconds):
-        pytest.fail(f"no message within {seconds} s: {what}")
-    return conn.recv()
 
 
 def is_alive(pid: int) -> bool:
