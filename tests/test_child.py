@@ -188,7 +188,7 @@ async def test_crash_matrix(row: Row, start_method: str) -> None:
         nprocs=2,
         join=False,
         start_method=start_method,
-        grace_period=0.5,
+        grace_period=0.2,
     )
     pids = ctx.pids()
     assert len(pids) == 2
