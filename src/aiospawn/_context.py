@@ -29,14 +29,13 @@ import anyio
 import anyio.abc
 from anyio.lowlevel import checkpoint
 
-from ._errors import ProcessException, ProcessRaisedException, raised_message, signal_name
+from ._errors import ProcessException, ProcessRaisedException, raised_message
 from ._launch import LaunchSpec, check_seconds, make_rank, start_ranks
 from ._outcome import RankExit
 from ._output import CaptureBuffer, OutputLine
 from ._shield import run_to_completion
 from ._shutdown import Shutdown
 from ._watch import LocalRank
-from ._wire import Kind
 
 __all__ = ["AsyncProcessContext"]
 
@@ -241,7 +240,7 @@ class AsyncProcessContext(Generic[T]):
             running = sum(1 for rank in self._ranks if rank.started and rank.exit is None)
             state = f" running={running}"
         if self._root is not None:
-            state += f" failed=rank {self._root.rank} ({_short(self._root)})"
+            state += f" failed=rank {self._root.rank} ({self._root.summary()})"
         return f"<AsyncProcessContext nprocs={len(self._ranks)}{state}>"
 
     def _on_exit(self, exit: RankExit) -> None:
@@ -379,11 +378,3 @@ def _decode_results(exits: Sequence[RankExit | None]) -> list[Any]:
                 raised_message(exit.rank, text), exit.rank, exit.pid
             ) from exc
     return values
-
-
-def _short(exit: RankExit) -> str:
-    if exit.frame is not None and exit.frame[0] == Kind.RAISED:
-        return "raised"
-    if exit.exit_code < 0:
-        return signal_name(exit.exit_code)
-    return f"exit code {exit.exit_code}"

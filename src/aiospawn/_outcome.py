@@ -11,7 +11,6 @@ from ._errors import (
     ProcessExitedException,
     ProcessRaisedException,
     RemoteTraceback,
-    describe_exit,
     exited_message,
     raised_message,
     signal_name,
@@ -52,9 +51,13 @@ class RankExit:
             return None
         return pickle.loads(self.frame[1])
 
-    def describe(self) -> str:
-        """One line for logs and reprs: ``rank 2 (pid 4242) SIGKILL (-9)``."""
-        return f"rank {self.rank} (pid {self.pid}) {describe_exit(self.exit_code)}"
+    def summary(self) -> str:
+        """How it ended, in a word or two: ``raised``, ``SIGKILL``, ``exit code 3``."""
+        if self.frame is not None and self.frame[0] == Kind.RAISED:
+            return "raised"
+        if self.exit_code < 0:
+            return signal_name(self.exit_code)
+        return f"exit code {self.exit_code}"
 
     def exception(self) -> ProcessException:
         """Build a fresh exception reporting this (unsuccessful) exit.

@@ -284,7 +284,7 @@ class RankOutput:
             elif mode == "devnull":
                 self.targets[name] = os.devnull
             elif log is not None and not spec.tee:
-                log.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                _make_log_dir(log)
                 self.targets[name] = str(log)
             else:
                 reader, writer = rank_pipe()
@@ -351,8 +351,12 @@ class RankOutput:
         self._log_fds.clear()
 
 
-def _open_log(path: Path) -> int:
+def _make_log_dir(path: Path) -> None:
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+
+def _open_log(path: Path) -> int:
+    _make_log_dir(path)
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
 
 
