@@ -8,9 +8,11 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Literal, TypedDict, TypeVar, TypeVarTuple, Unpack, overload
 
-from ._context import AsyncProcessContext
-from ._launch import EnvSpec, check_seconds, make_spec
+from ._backend import Backend
+from ._context import AsyncProcessContext, Supervision
+from ._launch import EnvSpec, LocalBackend, check_seconds, make_spec
 from ._output import DEFAULT_PREFIX, make_output_spec
+from ._policy import RestartPolicy
 
 __all__ = ["GroupOptions", "open_group", "spawn", "start_processes"]
 
@@ -27,10 +29,31 @@ class GroupOptions(TypedDict, total=False):
             may first take to exit by themselves. ``None`` (the default): no
             such wait, and :data:`DEFAULT_GRACE_PERIOD` (30 s) between SIGTERM
             and SIGKILL.
-        env: Environment variables set in each rank before ``fn`` runs: one
-            mapping for every rank, or a callable ``rank -> mapping``. Under
-            ``spawn`` and ``forkserver`` the module of ``fn`` (and the main
-            script) is imported before they are set.
+        env: Environment variables set in each rank: one mapping for every
+            rank, or a callable ``rank -> mapping``. Under ``spawn`` they are
+            set before the rank imports anything of the user's (the main
+            script, ``fn``'s module); under ``forkserver`` before it imports
+            ``fn``'s module (the fork server imported the main script when it
+            started); under ``fork`` before ``fn`` runs. Every rank also gets
+            ``AIOSPAWN_RESTART_COUNT``.
+        torchrun_env: Set the variables torchrun sets (``RANK``,
+            ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
+            ``GROUP_RANK``, ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT``: a free
+            port chosen at each start of the whole group,
+            ``TORCHELASTIC_RESTART_COUNT``, ...), so code written for torchrun
+            runs unchanged. ``env`` wins over them.
+        restart: A :class:`RestartPolicy`: start failed ranks (or the whole
+            group) again instead of failing. ``None`` (the default): the first
+            failure is raised.
+        heartbeat_timeout: Seconds a rank may go without calling
+            :func:`aiospawn.heartbeat` once it has called it; a rank that
+            overruns it is hung: its threads' stacks are taken, and it fails
+            with :class:`ProcessHungException` (or is restarted). ``None``
+            (the default): no hang detection.
+        startup_timeout: Seconds a rank may take to send its first heartbeat;
+            ``None`` (the default): a rank that never beats is never hung.
+        backend: Where the ranks run: local processes (the default), or
+            ``aiospawn.ray.RayBackend(...)`` for a Ray cluster.
         stdout: Where each rank's stdout goes: ``"inherit"`` (the default),
             ``"prefix"`` (the supervisor's stdout, each line behind
             ``prefix``), ``"capture"`` (kept for ``ctx.output()``),
@@ -47,6 +70,11 @@ class GroupOptions(TypedDict, total=False):
 
     grace_period: float | None
     env: EnvSpec
+    torchrun_env: bool
+    restart: RestartPolicy | None
+    heartbeat_timeout: float | None
+    startup_timeout: float | None
+    backend: Backend | None
     stdout: str | os.PathLike[str]
     stderr: str | os.PathLike[str]
     tee: bool
@@ -121,7 +149,9 @@ async def start_processes(
         start_method: ``"spawn"``, ``"fork"``, ``"forkserver"``, or ``None``
             for the platform default.
         **options: Keyword-only group options (:class:`GroupOptions`):
-            ``grace_period``, ``env``, ``stdout``, ``stderr``, ``tee``, ``prefix``.
+            ``grace_period``, ``env``, ``torchrun_env``, ``restart``,
+            ``heartbeat_timeout``, ``startup_timeout``, ``backend``,
+            ``stdout``, ``stderr``, ``tee``, ``prefix``.
 
     Returns:
         With ``join=True``, the list of return values, index = rank; with
@@ -131,6 +161,7 @@ async def start_processes(
         ProcessRaisedException: A rank's ``fn`` raised (``join=True``).
         ProcessExitedException: A rank exited with a non-zero code or was
             killed by a signal (``join=True``).
+        ProcessHungException: A rank stopped sending heartbeats (``join=True``).
         TypeError: ``fn`` is not callable or cannot be pickled for the start
             method; ``args`` is not a sequence. Raised before any process starts.
         ValueError: ``nprocs``, ``start_method`` or ``grace_period`` is invalid.
@@ -279,13 +310,33 @@ async def _start_group(
     unknown = set(options) - set(GroupOptions.__annotations__)
     if unknown:
         raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(unknown))}")
-    grace_period = options.get("grace_period")
-    check_seconds("grace_period", grace_period)
+    supervision = Supervision(
+        grace_period=options.get("grace_period"),
+        restart=options.get("restart"),
+        heartbeat_timeout=options.get("heartbeat_timeout"),
+        startup_timeout=options.get("startup_timeout"),
+    )
+    check_seconds("grace_period", supervision.grace_period)
+    check_seconds("heartbeat_timeout", supervision.heartbeat_timeout)
+    check_seconds("startup_timeout", supervision.startup_timeout)
+    if supervision.restart is not None and not isinstance(supervision.restart, RestartPolicy):
+        raise TypeError(f"restart must be an aiospawn.RestartPolicy, got {supervision.restart!r}")
     output = make_output_spec(
         options.get("stdout", "inherit"),
         options.get("stderr", "inherit"),
         options.get("tee", False),
         options.get("prefix", DEFAULT_PREFIX),
     )
-    spec = make_spec(fn, args, nprocs, start_method, daemon, env=options.get("env"), output=output)
-    return await AsyncProcessContext._start(spec, grace_period)
+    spec = make_spec(
+        fn,
+        args,
+        nprocs,
+        start_method,
+        daemon,
+        env=options.get("env"),
+        output=output,
+        torchrun_env=options.get("torchrun_env", False),
+        heartbeats=supervision.watches_heartbeats,
+    )
+    backend = options.get("backend") or LocalBackend()
+    return await AsyncProcessContext._start(spec, supervision, backend)

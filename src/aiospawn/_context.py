@@ -1,10 +1,13 @@
 """AsyncProcessContext: one rank group, from its start to the last reap.
 
-A group's state is derived from its ranks and three facts (start finished,
-root failure, shutdown begun), never stored twice::
+A group's state is derived from its ranks and a few facts (start finished,
+root failure, restart pending, shutdown begun), never stored twice::
 
     starting ──► running ──┬──────────────────────────────► reaped (all returned)
-       │                   │ a rank fails by itself
+       │                   │ a rank fails (exits badly, or hangs)
+       │                   ├──► restart policy allows it ──► restarting ──► running
+       │                   │     (one_for_all: the group is stopped first;
+       │                   │      backoff; then the slot(s) start again)
        │                   ├──► failing ───┐  optional grace wait
        │                   │ terminate() / │
        │                   │ cancellation  ▼
@@ -12,16 +15,26 @@ root failure, shutdown begun), never stored twice::
        │ start error or cancellation                ▲
        └────────────────────────────────────────────┘
 
-Every exit a rank makes is seen by exactly one watcher (``LocalRank.wait``),
-which reports it through :meth:`AsyncProcessContext._on_exit`. The first rank
-to fail by itself, not because we stopped it, is the root cause; every
-``join()`` raises an exception equal to the one built from it.
+Each slot holds the current attempt at its rank (a ``RankHandle`` from the
+group's launcher; a restart puts a new one in the slot). Every exit is seen by
+exactly one watcher (``RankHandle.wait``) and reported through
+:meth:`AsyncProcessContext._on_exit`. The first failure that the restart
+policy does not absorb, not caused by us, is the root cause; every ``join()``
+raises an exception equal to the one built from it.
+
+Supervision runs in whichever task waits on the group (``join()`` or an
+``async with`` block), one at a time (:meth:`AsyncProcessContext._supervise`);
+the others wait for it. It can stop and resume at any point: a pending
+restart keeps its due time, and a rank's watcher resumes where it stopped.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Sequence
+import signal
+import time
+from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Generic, Self, TypeVar, final
 
@@ -29,19 +42,66 @@ import anyio
 import anyio.abc
 from anyio.lowlevel import checkpoint
 
-from ._errors import ProcessException, ProcessRaisedException, raised_message
-from ._launch import LaunchSpec, check_seconds, make_rank, start_ranks
-from ._outcome import RankExit
+from ._backend import Backend, GroupLauncher, RankHandle
+from ._errors import ProcessException, ProcessRaisedException, raised_message, signal_name
+from ._events import (
+    Event,
+    EventLog,
+    Exited,
+    GroupStatistics,
+    Hung,
+    RankStatistics,
+    Restarting,
+    Started,
+    Stopped,
+    Terminating,
+)
+from ._launch import LaunchSpec, check_seconds
+from ._outcome import Hang, RankExit
 from ._output import CaptureBuffer, OutputLine
+from ._policy import RestartPolicy, RestartRecord
 from ._shield import run_to_completion
 from ._shutdown import Shutdown
-from ._watch import LocalRank
 
 __all__ = ["AsyncProcessContext"]
 
 T = TypeVar("T")
 
 _CONSTRUCT = object()
+
+#: Seconds a hung rank gets to write its stacks before it is stopped anyway.
+STACK_TIMEOUT = 1.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Supervision:
+    """How a group is watched: the options beyond what its ranks run."""
+
+    grace_period: float | None = None
+    restart: RestartPolicy | None = None
+    heartbeat_timeout: float | None = None
+    startup_timeout: float | None = None
+
+    @property
+    def watches_heartbeats(self) -> bool:
+        """True when ranks get heartbeat slots and may be found hung."""
+        return self.heartbeat_timeout is not None or self.startup_timeout is not None
+
+
+@dataclass(slots=True)
+class _PendingRestart:
+    """Slots to start again once ``due`` (``time.monotonic()``) has come.
+
+    ``stop`` lists the running ranks to stop first; ``failure`` is what the
+    restart answers, raised if the restart cannot happen.
+    """
+
+    slots: list[int]
+    due: float
+    stop: list[RankHandle]
+    failure: RankExit | Hang
+    announced: bool = False
+
 
 #: Results larger than this are unpickled on a worker thread, not on the loop.
 _DECODE_ON_THREAD_BYTES = 1 << 20
@@ -60,31 +120,57 @@ class AsyncProcessContext(Generic[T]):
     as :func:`aiospawn.open_group` describes.
     """
 
-    def __init__(self, token: object, spec: LaunchSpec, grace_period: float | None) -> None:
+    def __init__(
+        self,
+        token: object,
+        spec: LaunchSpec,
+        launcher: GroupLauncher,
+        supervision: Supervision,
+        capture: CaptureBuffer | None,
+    ) -> None:
         if token is not _CONSTRUCT:
             raise TypeError(
                 "AsyncProcessContext is made by start_processes(join=False) or open_group()"
             )
         self._spec = spec
-        self._grace_period = grace_period
-        self._capture = CaptureBuffer() if spec.output.captures else None
-        self._ranks = [
-            make_rank(spec, index, self._on_exit, self._capture) for index in range(spec.nprocs)
+        self._launcher = launcher
+        self._supervision = supervision
+        self._grace_period = supervision.grace_period
+        self._capture = capture
+        self._events = EventLog()
+        self._restarts = [0] * spec.nprocs
+        self._ranks: list[RankHandle] = [
+            launcher.make_rank(index, 0, self._on_exit) for index in range(spec.nprocs)
         ]
+        self._started_at = [math.inf] * spec.nprocs  # time.monotonic() of each start
+        self._last_exits: list[Exited | None] = [None] * spec.nprocs
         self._started = anyio.Event()
-        self._root: RankExit | None = None
+        self._starting: anyio.Event | None = None  # set when a restart's start finishes
+        self._root: RankExit | Hang | None = None
+        self._pending: list[_PendingRestart] = []
+        self._gave_up = False
+        self._history: list[RestartRecord] = []
+        self._restart_times: list[float] = []
+        self._hung: set[RankHandle] = set()  # attempts found hung
         self._shutdown: Shutdown | None = None
         self._shutdown_done = anyio.Event()
-        self._stuck: list[LocalRank] = []
+        self._stuck: list[RankHandle] = []
         self._results: list[T] | None = None
         self._body: anyio.abc.TaskGroup | None = None
+        self._supervisor_done: anyio.Event | None = None
+        self._changed = anyio.Event()
+        self._exits_seen = 0
 
     @classmethod
-    async def _start(cls, spec: LaunchSpec, grace_period: float | None) -> AsyncProcessContext[T]:
+    async def _start(
+        cls, spec: LaunchSpec, supervision: Supervision, backend: Backend
+    ) -> AsyncProcessContext[T]:
         """Start every rank of ``spec``; on any error or cancellation, stop those that started."""
-        self = cls(_CONSTRUCT, spec, grace_period)
+        capture = CaptureBuffer() if spec.output.captures else None
+        launcher = await backend.open(spec, capture)
+        self = cls(_CONSTRUCT, spec, launcher, supervision, capture)
         try:
-            await start_ranks(self._ranks, spec.start_method)
+            await self._launch(self._ranks)
         except BaseException:
             self._started.set()
             await self._shut_down(None, after_failure=False)
@@ -94,11 +180,11 @@ class AsyncProcessContext(Generic[T]):
 
     @property
     def processes(self) -> list[Any]:
-        """The ``multiprocessing`` process objects, index = rank."""
+        """The ``multiprocessing`` process objects of the current attempts, index = rank."""
         return [rank.process for rank in self._ranks]
 
     def pids(self) -> list[int]:
-        """The ranks' process ids, index = rank."""
+        """The ranks' process ids (of their current attempts), index = rank."""
         return [rank.pid for rank in self._ranks if rank.pid is not None]
 
     @property
@@ -134,12 +220,58 @@ class AsyncProcessContext(Generic[T]):
         async for line in self._capture.lines():
             yield line
 
+    async def events(self) -> AsyncIterator[Event]:
+        """Yield the group's lifecycle events, from its start, as they happen.
+
+        Each item is an immutable record (``Started``, ``Exited``, ``Hung``,
+        ``Restarting``, ``Terminating``, ``Stopped``) with the rank, its pid, a
+        ``time.monotonic()`` and a ``time.time()`` timestamp. Iteration ends
+        after every rank's ``Stopped``. Any number of tasks may iterate at
+        once, each at its own pace. Events are produced while the group is
+        supervised (``join()``, an ``async with`` block, ``terminate()``).
+
+        The group holds its newest 10,000 events and never waits for a
+        consumer: one that falls further behind gets an ``EventsLost(count)``
+        and goes on from the oldest event still held.
+        """
+        async for event in self._events.follow():
+            yield event
+
+    def statistics(self) -> GroupStatistics:
+        """A snapshot: ranks alive, each rank's state, restarts, last exits."""
+        pending = self._pending_slots()
+        ranks = []
+        for index, rank in enumerate(self._ranks):
+            if index in pending and (rank.exit is not None or not rank.started):
+                state = "restarting"
+            elif not rank.started:
+                state = "starting" if rank.exit is None else "exited"
+            elif rank.exit is not None:
+                state = "exited"
+            elif self._shutdown is not None or rank in self._hung or index in pending:
+                state = "stopping"
+            else:
+                state = "running"
+            ranks.append(
+                RankStatistics(
+                    rank=index,
+                    pid=rank.pid,
+                    state=state,
+                    restarts=self._restarts[index],
+                    last_exit=self._last_exits[index],
+                )
+            )
+        alive = sum(1 for rank in self._ranks if rank.started and rank.exit is None)
+        return GroupStatistics(alive=alive, restarts=len(self._history), ranks=tuple(ranks))
+
     async def join(self, timeout: float | None = None, grace_period: float | None = None) -> bool:
         """Wait for every rank to finish; on the first failure, stop the rest and raise.
 
         Idempotent: once it has returned True it keeps returning True, and once
         it has raised, every later call raises an equal exception (same class,
         ``error_index`` and message), never one about a rank we stopped.
+        With a ``restart`` policy, a failure it absorbs is not raised: the
+        rank (or group) is started again and ``join()`` goes on waiting.
 
         Args:
             timeout: Seconds to wait; ``None`` waits as long as it takes and
@@ -159,6 +291,7 @@ class AsyncProcessContext(Generic[T]):
             ProcessExitedException: A rank exited with a non-zero code or was
                 killed by a signal (or, after ``terminate()``, the lowest rank
                 that the shutdown stopped).
+            ProcessHungException: A rank stopped sending heartbeats.
             ValueError: ``timeout`` or ``grace_period`` is negative.
 
         Cancellation:
@@ -175,7 +308,8 @@ class AsyncProcessContext(Generic[T]):
         """Shut down every rank still running: SIGTERM, grace period, SIGKILL, reap.
 
         Idempotent, and safe at any time: ranks still starting are signalled
-        once their start has finished. Ranks that already exited are left alone.
+        once their start has finished, and a pending restart is dropped.
+        Ranks that already exited are left alone.
         Called while a shutdown is under way, it waits for that one, and a
         ``grace_period`` shorter than what is left of it hurries it: SIGKILL
         comes at most ``grace_period`` seconds after SIGTERM (``0``: now).
@@ -201,7 +335,7 @@ class AsyncProcessContext(Generic[T]):
             raise RuntimeError(f"{self!r} is already supervising an async with block")
         body = anyio.create_task_group()
         await body.__aenter__()
-        body.start_soon(self._watch_during_body)
+        body.start_soon(self._supervise)
         self._body = body
         return self
 
@@ -239,17 +373,98 @@ class AsyncProcessContext(Generic[T]):
         else:
             running = sum(1 for rank in self._ranks if rank.started and rank.exit is None)
             state = f" running={running}"
+        if self._history:
+            state += f" restarts={len(self._history)}"
         if self._root is not None:
             state += f" failed=rank {self._root.rank} ({self._root.summary()})"
         return f"<AsyncProcessContext nprocs={len(self._ranks)}{state}>"
 
+    # ------------------------------------------------------------------ exits
+
     def _on_exit(self, exit: RankExit) -> None:
-        if self._root is None and not exit.succeeded and not exit.stopped_by_us:
-            self._root = exit
-            if self._body is not None:  # an async with block runs: stop it now
-                self._body.cancel_scope.cancel()
-        if self._capture is not None and self._all_exited():
-            self._capture.close()
+        """Record one attempt's exit (called once per attempt, on the loop thread)."""
+        handle = self._ranks[exit.rank]
+        exited = Exited(
+            rank=exit.rank,
+            pid=exit.pid,
+            exit_code=exit.exit_code,
+            signal_name=signal_name(exit.exit_code) if exit.exit_code < 0 else None,
+            outcome="returned" if exit.succeeded else exit.summary(),
+            stopped_by_us=exit.stopped_by_us,
+        )
+        self._last_exits[exit.rank] = exited
+        self._events.append(exited)
+        self._exits_seen += 1
+        if not exit.stopped_by_us and handle not in self._hung:
+            policy = self._supervision.restart
+            if not exit.succeeded or (policy is not None and policy.on == "any"):
+                self._failed(exit, handle)
+        if exit.rank not in self._pending_slots():
+            self._events.append(Stopped(rank=exit.rank, pid=exit.pid))
+        if self._over():
+            self._events.close()
+            if self._capture is not None:
+                self._capture.close()
+        self._notify()
+
+    def _failed(self, failure: RankExit | Hang, handle: RankHandle) -> None:
+        """Restart as the policy allows, or make ``failure`` the group's root cause."""
+        if self._root is not None or self._shutdown is not None:
+            return
+        policy = self._supervision.restart
+        if policy is None:
+            self._give_up(failure)
+            return
+        if policy.strategy == "one_for_all" and self._pending:
+            return  # the group is being restarted: this is a consequence, not a cause
+        self._history.append(
+            RestartRecord(
+                rank=failure.rank,
+                pid=failure.pid,
+                restart=self._restarts[failure.rank],
+                outcome=failure.summary(),
+                exit_code=failure.exit_code if isinstance(failure, RankExit) else None,
+                time=time.time(),
+            )
+        )
+        now = time.monotonic()
+        recent = [moment for moment in self._restart_times if now - moment < policy.window]
+        if len(recent) >= policy.max_restarts:
+            self._gave_up = True
+            self._give_up(failure)
+            return
+        self._restart_times = [*recent, now]
+        if policy.strategy == "one_for_all":
+            slots = list(range(len(self._ranks)))
+            stop = [rank for rank in self._ranks if rank.started and rank.exit is None]
+        else:
+            slots = [failure.rank]
+            stop = [handle] if handle.exit is None else []
+        due = now + policy.backoff.delay(len(recent))
+        self._pending.append(_PendingRestart(slots, due, stop, failure))
+
+    def _give_up(self, failure: RankExit | Hang) -> None:
+        self._root = failure
+        self._pending.clear()
+        if self._body is not None:  # an async with block runs: stop it now
+            self._body.cancel_scope.cancel()
+
+    def _pending_slots(self) -> set[int]:
+        return {index for pending in self._pending for index in pending.slots}
+
+    def _over(self) -> bool:
+        """True once no rank runs and none will be started again."""
+        return not self._pending and all(
+            rank.exit is not None
+            or (self._started.is_set() and self._starting is None and not rank.started)
+            for rank in self._ranks
+        )
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    # ------------------------------------------------------------ supervision
 
     async def _join(
         self, timeout: float | None, grace_period: float | None, *, until_all: bool
@@ -258,14 +473,17 @@ class AsyncProcessContext(Generic[T]):
         try:
             await checkpoint()
             if self._root is None and self._shutdown is None:
-                exited = self._exited_count()
+                exited = self._exits_seen
                 for rank in self._ranks:
                     rank.poll()
                 # Without until_all, an exit this poll found is the one to report.
-                wait = until_all or self._exited_count() == exited
-                if wait and self._root is None and not self._all_exited() and timeout != 0:
+                wait = until_all or self._exits_seen == exited
+                if wait and self._root is None and not self._over() and timeout != 0:
                     with anyio.move_on_after(math.inf if timeout is None else timeout):
-                        await self._wait_for_exits(until_all=until_all)
+                        if until_all:
+                            await self._supervise()
+                        else:
+                            await self._supervise_until_an_exit()
         except BaseException:
             await self._shut_down(grace_period, after_failure=False)
             raise
@@ -279,28 +497,172 @@ class AsyncProcessContext(Generic[T]):
                     # The traceback holds this frame: a local bound to the
                     # exception would keep both alive until the cyclic GC runs.
                     del error
-        if not self._all_exited():
+        if not self._over():
             return False
+        await run_to_completion(self._launcher.aclose)
         await self._collect_results()
         return True
 
-    async def _wait_for_exits(self, *, until_all: bool) -> None:
-        """Return once every rank exited, a rank failed, or (``until_all=False``) any exited."""
-
-        async def wait_for(rank: LocalRank, scope: anyio.CancelScope) -> None:
-            await rank.wait()
-            if self._root is not None or not until_all:
-                scope.cancel()
-
+    async def _supervise_until_an_exit(self) -> None:
+        exited = self._exits_seen
         async with anyio.create_task_group() as tg:
-            for rank in self._ranks:
-                if rank.exit is None:
-                    tg.start_soon(wait_for, rank, tg.cancel_scope)
+            tg.start_soon(self._supervise)
+            while self._exits_seen == exited and not self._finished():
+                await self._changed.wait()
+            tg.cancel_scope.cancel()
 
-    async def _watch_during_body(self) -> None:
-        # The ranks' exits are seen only while someone waits for them; when one
-        # fails, _on_exit cancels the block.
-        await self._wait_for_exits(until_all=True)
+    async def _supervise(self) -> None:
+        """Watch the group until it is over or has failed; one task at a time."""
+        while not self._finished():
+            if self._supervisor_done is not None:
+                await self._supervisor_done.wait()
+                continue
+            self._supervisor_done = done = anyio.Event()
+            try:
+                await self._run_supervisor()
+            finally:
+                self._supervisor_done = None
+                done.set()
+
+    def _finished(self) -> bool:
+        return self._root is not None or self._shutdown is not None or self._over()
+
+    async def _run_supervisor(self) -> None:
+        async with anyio.create_task_group() as watchers:
+            self._watch(watchers, self._ranks)
+            if self._supervision.watches_heartbeats:
+                watchers.start_soon(self._watch_heartbeats)
+            while not self._finished():
+                changed = self._changed
+                if self._pending:
+                    await self._restart(watchers, changed)
+                else:
+                    await changed.wait()
+            watchers.cancel_scope.cancel()
+
+    def _watch(self, watchers: anyio.abc.TaskGroup, ranks: Iterable[RankHandle]) -> None:
+        for rank in ranks:
+            if rank.started and rank.exit is None:
+                watchers.start_soon(rank.wait)
+
+    async def _restart(self, watchers: anyio.abc.TaskGroup, changed: anyio.Event) -> None:
+        """Make progress on the pending restarts: stop, back off, start again.
+
+        Returns after each step, or when something changed, so that the
+        supervisor looks at the group afresh (a new failure, a shutdown).
+        """
+        stop = [rank for pending in self._pending for rank in pending.stop]
+        if stop:
+            for pending in self._pending:
+                pending.stop = []
+            shutdown = Shutdown(self._grace_period, wait_first=False, on_signal=self._signalled)
+            stuck = await run_to_completion(lambda: shutdown.run(stop))
+            if stuck:  # a rank that cannot be reaped cannot be replaced either
+                self._stuck += stuck
+                self._give_up(self._pending[0].failure)
+                self._notify()
+            return
+        now = time.monotonic()
+        for pending in self._pending:
+            if not pending.announced:
+                pending.announced = True
+                for index in pending.slots:
+                    self._events.append(
+                        Restarting(
+                            rank=index,
+                            pid=self._ranks[index].pid,
+                            attempt=self._restarts[index] + 1,
+                            delay=max(0.0, pending.due - now),
+                        )
+                    )
+        first = min(self._pending, key=lambda pending: pending.due)
+        with anyio.move_on_after(first.due - now):
+            await changed.wait()
+            return
+        self._pending.remove(first)
+        if len(first.slots) == len(self._ranks):
+            self._launcher.new_rendezvous()
+        fresh = []
+        for index in first.slots:
+            self._hung.discard(self._ranks[index])
+            self._restarts[index] += 1
+            self._ranks[index] = self._launcher.make_rank(
+                index, self._restarts[index], self._on_exit
+            )
+            fresh.append(self._ranks[index])
+        self._starting = starting = anyio.Event()
+        try:
+            await self._launch(fresh)
+        finally:
+            self._starting = None
+            starting.set()
+        self._watch(watchers, fresh)
+
+    async def _launch(self, ranks: Sequence[RankHandle]) -> None:
+        await self._launcher.start(ranks)
+        now = time.monotonic()
+        for rank in ranks:
+            self._started_at[rank.rank] = now
+            self._events.append(
+                Started(rank=rank.rank, pid=rank.pid, restart=self._restarts[rank.rank])
+            )
+
+    async def _watch_heartbeats(self) -> None:
+        """Find ranks that stopped beating (or never began) and report them hung."""
+        while True:
+            found = self._find_hung()
+            if isinstance(found, float):
+                await anyio.sleep(found)
+                continue
+            rank, seconds, began, limit = found
+            await self._on_hung(rank, seconds, began=began, limit=limit)
+
+    def _find_hung(self) -> tuple[RankHandle, float, bool, float] | float:
+        """A hung rank with its figures, or else the seconds until one could be."""
+        now = time.monotonic()
+        next_check = math.inf
+        restarting = self._pending_slots()
+        for rank in self._ranks:
+            if not rank.started or rank.exit is not None or rank in self._hung:
+                continue
+            if rank.rank in restarting:
+                continue
+            beat = rank.last_beat()
+            limit = (
+                self._supervision.heartbeat_timeout
+                if beat is not None
+                else self._supervision.startup_timeout
+            )
+            if limit is None:
+                continue
+            since = beat if beat is not None else self._started_at[rank.rank]
+            if now - since >= limit:
+                return rank, now - since, beat is not None, limit
+            next_check = min(next_check, since + limit)
+        # Nothing to watch yet (ranks to start, or none beating without a
+        # startup_timeout): look again a little later.
+        fallback = self._supervision.heartbeat_timeout or self._supervision.startup_timeout
+        assert fallback is not None
+        return max(0.0, next_check - now) if next_check < math.inf else fallback
+
+    async def _on_hung(
+        self, rank: RankHandle, seconds: float, *, began: bool, limit: float
+    ) -> None:
+        pid = rank.pid
+        assert pid is not None
+        self._hung.add(rank)
+        stack = await rank.stack(STACK_TIMEOUT)
+        self._events.append(Hung(rank=rank.rank, pid=pid, seconds=seconds, stack=stack))
+        hang = Hang(
+            rank=rank.rank, pid=pid, seconds=seconds, began=began, timeout=limit, stack=stack
+        )
+        self._failed(hang, rank)
+        self._notify()
+
+    def _signalled(self, rank: RankHandle, signum: int) -> None:
+        self._events.append(
+            Terminating(rank=rank.rank, pid=rank.pid, signal_name=signal.Signals(signum).name)
+        )
 
     async def _shut_down(self, grace_period: float | None, *, after_failure: bool) -> None:
         """Run the group's one shutdown, or wait for the one under way; both shielded.
@@ -313,23 +675,25 @@ class AsyncProcessContext(Generic[T]):
             await run_to_completion(self._shutdown_done.wait)
             return
         grace = self._grace_period if grace_period is None else grace_period
-        self._shutdown = shutdown = Shutdown(grace, wait_first=after_failure)
+        self._shutdown = shutdown = Shutdown(
+            grace, wait_first=after_failure, on_signal=self._signalled
+        )
+        self._pending.clear()
         done = self._shutdown_done
 
         async def escalate() -> None:
             try:
                 await self._started.wait()
-                self._stuck = await shutdown.run([rank for rank in self._ranks if rank.started])
+                while self._starting is not None:  # a restart is starting ranks
+                    await self._starting.wait()
+                self._stuck += await shutdown.run([rank for rank in self._ranks if rank.started])
+                await self._launcher.aclose()
             finally:
+                if self._over():
+                    self._events.close()
                 done.set()
 
         await run_to_completion(escalate)
-
-    def _all_exited(self) -> bool:
-        return all(rank.exit is not None for rank in self._ranks)
-
-    def _exited_count(self) -> int:
-        return sum(rank.exit is not None for rank in self._ranks)
 
     def _error(self) -> ProcessException | None:
         """The exception ``join()`` raises once the group has been shut down, if any."""
@@ -352,6 +716,16 @@ class AsyncProcessContext(Generic[T]):
             error.add_note(
                 f"rank {rank.rank} (pid {rank.pid}) did not exit after SIGKILL and could not be"
                 " reaped: it is probably in uninterruptible sleep (state D)"
+            )
+        if self._history:
+            error.restarts = tuple(self._history)
+        if self._gave_up:
+            policy = self._supervision.restart
+            assert policy is not None
+            lines = "\n".join(f"    {record}" for record in self._history)
+            error.add_note(
+                f"restart policy gave up: more than max_restarts={policy.max_restarts}"
+                f" failures within {policy.window:g} s; the failures, oldest first:\n{lines}"
             )
         return error
 

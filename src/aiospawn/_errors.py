@@ -8,11 +8,15 @@ for either library. All of them survive a pickle round trip with their fields.
 from __future__ import annotations
 
 import signal
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._policy import RestartRecord
 
 __all__ = [
     "ProcessException",
     "ProcessExitedException",
+    "ProcessHungException",
     "ProcessRaisedException",
     "RemoteTraceback",
 ]
@@ -29,7 +33,12 @@ class ProcessException(Exception):
         msg: The message, as passed to the constructor.
         error_index: The rank that failed.
         error_pid: The process id the failed rank had.
+        restarts: With a restart policy, the failures it acted on, oldest
+            first, ending with this one when the policy gave up
+            (:class:`aiospawn.RestartRecord`); empty otherwise.
     """
+
+    restarts: tuple[RestartRecord, ...] = ()
 
     def __init__(self, msg: str, error_index: int, error_pid: int) -> None:
         super().__init__(msg)
@@ -85,6 +94,39 @@ class ProcessExitedException(ProcessException):
         return type(self), args, self.__dict__
 
 
+class ProcessHungException(ProcessException):
+    """A rank stopped sending heartbeats (``heartbeat_timeout``), or never began.
+
+    Raised where :class:`ProcessException` is, after the hung rank and its
+    siblings were shut down. The message ends with every thread's Python
+    stack, taken from the rank itself before it was stopped, or says why no
+    stack could be taken.
+
+    Attributes:
+        seconds: Seconds since its last heartbeat (or since it started, if it
+            never beat) when it was found hung.
+        stack: The stacks of its threads as ``faulthandler`` writes them, or
+            ``None`` if the rank did not answer (it blocked every signal, or
+            was stuck in the kernel).
+    """
+
+    def __init__(
+        self,
+        msg: str,
+        error_index: int,
+        error_pid: int,
+        seconds: float,
+        stack: str | None = None,
+    ) -> None:
+        super().__init__(msg, error_index, error_pid)
+        self.seconds = seconds
+        self.stack = stack
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        args = (self.msg, self.error_index, self.error_pid, self.seconds, self.stack)
+        return type(self), args, self.__dict__
+
+
 class RemoteTraceback(Exception):
     """Stands in for a rank's exception that could not cross the process boundary.
 
@@ -120,6 +162,23 @@ def describe_exit(exit_code: int) -> str:
     if exit_code < 0:
         return f"{signal_name(exit_code)} ({exit_code})"
     return f"exit code {exit_code}"
+
+
+def hung_message(
+    rank: int, pid: int, seconds: float, *, began: bool, timeout: float, stack: str | None
+) -> str:
+    """The message of a :class:`ProcessHungException`, stack included."""
+    if began:
+        what = f"sent no heartbeat for {seconds:.1f} s (heartbeat_timeout={timeout:g})"
+    else:
+        what = f"sent no first heartbeat in {seconds:.1f} s (startup_timeout={timeout:g})"
+    message = f"process {rank} (pid {pid}) is hung: it {what}"
+    if stack is None:
+        return (
+            f"{message}\nno stack could be taken: the rank did not answer the stack"
+            " request; it blocks signals, or is stuck in the kernel"
+        )
+    return f"{message}\nits threads' Python stacks when it was found hung:\n\n{stack}"
 
 
 def raised_message(rank: int, traceback_text: str) -> str:

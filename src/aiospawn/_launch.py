@@ -19,16 +19,21 @@ import resource
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from anyio.lowlevel import checkpoint
 
-from ._child import RankSetup, run_rank
+from ._child import RESTART_COUNT_VAR, RankSetup, early_environment, run_rank
 from ._outcome import RankExit
 from ._output import CaptureBuffer, OutputSpec, RankOutput
 from ._pipes import rank_pipe
+from ._progress import RankProgress
+from ._rendezvous import free_port, torchrun_environment
 from ._watch import LocalRank
+
+if TYPE_CHECKING:
+    from ._backend import GroupLauncher, RankHandle
 
 START_METHODS = ("spawn", "fork", "forkserver")
 
@@ -57,6 +62,8 @@ class LaunchSpec:
     daemon: bool
     env: EnvSpec
     output: OutputSpec
+    torchrun_env: bool = False
+    heartbeats: bool = False
 
 
 def make_spec(
@@ -68,6 +75,8 @@ def make_spec(
     *,
     env: EnvSpec = None,
     output: OutputSpec,
+    torchrun_env: bool = False,
+    heartbeats: bool = False,
 ) -> LaunchSpec:
     """Check a group's arguments before anything starts, and resolve the start method.
 
@@ -97,6 +106,8 @@ def make_spec(
         daemon=bool(daemon),
         env=env,
         output=output,
+        torchrun_env=bool(torchrun_env),
+        heartbeats=heartbeats,
     )
 
 
@@ -165,40 +176,81 @@ def _check_importable(fn: Callable[..., Any], method: str) -> None:
         ) from exc
 
 
-def make_rank(
-    spec: LaunchSpec,
-    index: int,
-    on_exit: Callable[[RankExit], None],
-    capture: CaptureBuffer | None,
-) -> LocalRank:
-    """Create (without starting) the :class:`LocalRank` for rank ``index`` of ``spec``."""
-    # typeshed gives get_context(str) the BaseContext type, which lacks Process.
-    context: Any = multiprocessing.get_context(spec.start_method)
-    reader, writer = rank_pipe()
-    env = spec.env(index) if callable(spec.env) else spec.env
-    output = RankOutput(spec.output, index, capture)
-    setup = RankSetup(
-        supervisor_pid=os.getpid(),
-        supervisor_is_parent=spec.start_method != "forkserver",
-        env={str(key): str(value) for key, value in env.items()} if env else None,
-        stdout=output.targets["stdout"],
-        stderr=output.targets["stderr"],
-    )
-    process = context.Process(
-        target=run_rank,
-        args=(spec.fn, index, spec.args, writer, setup),
-        daemon=spec.daemon,
-        name=f"aiospawn-rank-{index}",
-    )
-    return LocalRank(
-        index,
-        process,
-        reader,
-        writer,
-        output,
-        exit_via_sentinel=spec.start_method == "forkserver",
-        on_exit=on_exit,
-    )
+class LocalBackend:
+    """Runs a group's ranks as child processes of this one (the default backend)."""
+
+    async def open(self, spec: LaunchSpec, capture: CaptureBuffer | None) -> GroupLauncher:
+        """Return the launcher of the group ``spec``; nothing starts yet."""
+        return LocalLauncher(spec, capture)
+
+
+class LocalLauncher:
+    """Makes and starts the local ranks of one group (see ``_backend.GroupLauncher``)."""
+
+    def __init__(self, spec: LaunchSpec, capture: CaptureBuffer | None) -> None:
+        self._spec = spec
+        self._capture = capture
+        self._master_port: int | None = None
+
+    def make_rank(self, index: int, restart: int, on_exit: Callable[[RankExit], None]) -> LocalRank:
+        """Create (without starting) attempt number ``restart`` of rank ``index``."""
+        spec = self._spec
+        # typeshed gives get_context(str) the BaseContext type, which lacks Process.
+        context: Any = multiprocessing.get_context(spec.start_method)
+        reader, writer = rank_pipe()
+        output = RankOutput(spec.output, index, self._capture, restart=restart)
+        progress = RankProgress() if spec.heartbeats else None
+        setup = RankSetup(
+            supervisor_pid=os.getpid(),
+            supervisor_is_parent=spec.start_method != "forkserver",
+            env=self._environment(index, restart),
+            stdout=output.targets["stdout"],
+            stderr=output.targets["stderr"],
+            restart=restart,
+            heartbeat=progress.child_ends[0] if progress else None,
+            stacks=progress.child_ends[1] if progress else None,
+        )
+        process = context.Process(
+            target=run_rank,
+            args=(spec.fn, index, spec.args, writer, setup),
+            daemon=spec.daemon,
+            name=early_environment(f"aiospawn-rank-{index}", setup.env),
+        )
+        return LocalRank(
+            index,
+            process,
+            reader,
+            writer,
+            output,
+            exit_via_sentinel=spec.start_method == "forkserver",
+            on_exit=on_exit,
+            progress=progress,
+        )
+
+    async def start(self, ranks: Sequence[RankHandle]) -> None:
+        """Start ``ranks``, made by :meth:`make_rank`, side by side (see :func:`start_ranks`)."""
+        local = [rank for rank in ranks if isinstance(rank, LocalRank)]
+        assert len(local) == len(ranks), "a local launcher starts the ranks it made"
+        await start_ranks(local, self._spec.start_method)
+
+    def new_rendezvous(self) -> None:
+        """Pick a fresh ``MASTER_PORT`` for the next ranks made."""
+        self._master_port = None
+
+    async def aclose(self) -> None:
+        """Nothing to release: each rank releases its own descriptors when reaped."""
+
+    def _environment(self, index: int, restart: int) -> dict[str, str]:
+        spec = self._spec
+        env = {RESTART_COUNT_VAR: str(restart)}
+        if spec.torchrun_env:
+            if self._master_port is None:
+                self._master_port = free_port()
+            env.update(torchrun_environment(index, spec.nprocs, restart, self._master_port))
+        user = spec.env(index) if callable(spec.env) else spec.env
+        if user:
+            env.update({str(key): str(value) for key, value in user.items()})
+        return env
 
 
 async def start_ranks(ranks: Sequence[LocalRank], start_method: str) -> None:

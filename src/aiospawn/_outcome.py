@@ -9,9 +9,11 @@ from typing import Any
 from ._errors import (
     ProcessException,
     ProcessExitedException,
+    ProcessHungException,
     ProcessRaisedException,
     RemoteTraceback,
     exited_message,
+    hung_message,
     raised_message,
     signal_name,
 )
@@ -31,6 +33,8 @@ class RankExit:
             that its death is a consequence of a shutdown, never a root cause.
         stderr_tail: The last lines of the rank's stderr, when it passed
             through the supervisor (``prefix``, ``capture`` or ``tee``).
+        note: What the backend knows of the exit beyond its code (such as the
+            machine the rank ran on), added to the exception as a note.
     """
 
     rank: int
@@ -39,6 +43,7 @@ class RankExit:
     frame: tuple[int, bytes] | None
     stopped_by_us: bool
     stderr_tail: tuple[str, ...] = ()
+    note: str | None = None
 
     @property
     def succeeded(self) -> bool:
@@ -65,6 +70,12 @@ class RankExit:
         A fresh instance each time lets ``join()`` raise an equal exception on
         every call without piling tracebacks onto one object.
         """
+        error = self._exception()
+        if self.note:
+            error.add_note(self.note)
+        return error
+
+    def _exception(self) -> ProcessException:
         if self.frame is not None and self.frame[0] == Kind.RAISED:
             exc_pickle, type_name, text = pickle.loads(self.frame[1])
             error = ProcessRaisedException(raised_message(self.rank, text), self.rank, self.pid)
@@ -87,6 +98,43 @@ class RankExit:
     def _stderr_tail_text(self) -> str:
         lines = "\n".join(f"    {line}" for line in self.stderr_tail)
         return f"last lines of rank {self.rank}'s stderr:\n{lines}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Hang:
+    """A rank found hung by its heartbeats, before the supervisor stopped it.
+
+    Attributes:
+        rank: The rank's index.
+        pid: Its process id.
+        seconds: Since its last heartbeat (or its start, if it never beat).
+        began: Whether it had sent a first heartbeat.
+        timeout: The limit it overran (``heartbeat_timeout`` or ``startup_timeout``).
+        stack: Its threads' stacks, or None if it did not answer.
+    """
+
+    rank: int
+    pid: int
+    seconds: float
+    began: bool
+    timeout: float
+    stack: str | None
+
+    def summary(self) -> str:
+        """``"hung"``."""
+        return "hung"
+
+    def exception(self) -> ProcessHungException:
+        """Build a fresh exception reporting the hang, with the stack."""
+        message = hung_message(
+            self.rank,
+            self.pid,
+            self.seconds,
+            began=self.began,
+            timeout=self.timeout,
+            stack=self.stack,
+        )
+        return ProcessHungException(message, self.rank, self.pid, self.seconds, self.stack)
 
 
 def _rebuild(exc_pickle: bytes | None, type_name: str, text: str) -> BaseException:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import anyio
 from anyio.lowlevel import checkpoint
 
-from ._watch import LocalRank
+from ._backend import RankHandle
 
 logger = logging.getLogger("aiospawn")
 
@@ -36,9 +36,17 @@ class Shutdown:
             :data:`DEFAULT_GRACE_PERIOD`.
         wait_first: After a rank failed: when ``grace_period`` is set, first
             give the others that long to exit by themselves, as torch does.
+        on_signal: Called with each rank signalled and the signal sent.
     """
 
-    def __init__(self, grace_period: float | None, *, wait_first: bool) -> None:
+    def __init__(
+        self,
+        grace_period: float | None,
+        *,
+        wait_first: bool,
+        on_signal: Callable[[RankHandle, int], None] = lambda rank, signum: None,
+    ) -> None:
+        self._on_signal = on_signal
         self._first_wait = grace_period if wait_first and grace_period is not None else 0.0
         self._term_wait = DEFAULT_GRACE_PERIOD if grace_period is None else grace_period
         self._waiting: anyio.CancelScope | None = None
@@ -51,7 +59,7 @@ class Shutdown:
         if self._waiting is not None:
             self._waiting.deadline = min(self._waiting.deadline, self._waiting_since + grace_period)
 
-    async def run(self, ranks: Sequence[LocalRank]) -> list[LocalRank]:
+    async def run(self, ranks: Sequence[RankHandle]) -> list[RankHandle]:
         """Stop every rank of ``ranks`` that is still running, politely first.
 
         Returns:
@@ -61,6 +69,7 @@ class Shutdown:
         live = [rank for rank in ranks if rank.poll() is None]
         for rank in live:
             if rank.send_signal(signal.SIGTERM):
+                self._on_signal(rank, signal.SIGTERM)
                 logger.warning(
                     "Terminating process %s via signal SIGTERM (rank %d)", rank.pid, rank.rank
                 )
@@ -69,6 +78,7 @@ class Shutdown:
         live = [rank for rank in live if rank.poll() is None]
         for rank in live:
             if rank.send_signal(signal.SIGKILL):
+                self._on_signal(rank, signal.SIGKILL)
                 logger.warning(
                     "Process %s (rank %d) still running %g s after SIGTERM; sending SIGKILL",
                     rank.pid,
@@ -89,7 +99,7 @@ class Shutdown:
             )
         return stuck
 
-    async def _wait(self, ranks: Sequence[LocalRank], seconds: Callable[[], float]) -> None:
+    async def _wait(self, ranks: Sequence[RankHandle], seconds: Callable[[], float]) -> None:
         """Wait for ``ranks`` to exit, at most ``seconds()``, read now and on each hurry."""
         self._waiting_since = anyio.current_time()
         with anyio.move_on_after(seconds()) as self._waiting:
@@ -97,7 +107,7 @@ class Shutdown:
         self._waiting = None
 
 
-async def _wait_for_exits(ranks: Sequence[LocalRank]) -> None:
+async def _wait_for_exits(ranks: Sequence[RankHandle]) -> None:
     async with anyio.create_task_group() as tg:
         for rank in ranks:
             if rank.poll() is None:

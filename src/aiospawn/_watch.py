@@ -28,6 +28,7 @@ import anyio
 from ._outcome import RankExit
 from ._output import RankOutput
 from ._pipes import close_watched
+from ._progress import RankProgress
 from ._wire import ChildEnd, FrameReader
 
 _READ_CHUNK = 256 * 1024
@@ -47,6 +48,8 @@ class LocalRank:
             status through the sentinel, so a pidfd would wake us before the
             status can be read.
         on_exit: Called once, on the event-loop thread, with the rank's exit.
+        progress: The rank's heartbeat slot and stack channel, when the
+            group watches heartbeats.
     """
 
     def __init__(
@@ -59,6 +62,7 @@ class LocalRank:
         *,
         exit_via_sentinel: bool,
         on_exit: Callable[[RankExit], None],
+        progress: RankProgress | None = None,
     ) -> None:
         self.rank = rank
         self.process = process
@@ -67,6 +71,7 @@ class LocalRank:
         self._output = output
         self._exit_via_sentinel = exit_via_sentinel
         self._on_exit = on_exit
+        self._progress = progress
         self._frame = FrameReader()
         self._result_eof = False
         self._pidfd: int | None = None
@@ -110,6 +115,8 @@ class LocalRank:
         pid = self.process.pid
         assert pid is not None
         self._output.started(pid)
+        if self._progress is not None:
+            self._progress.started()
         with contextlib.suppress(AttributeError, OSError):  # no pidfd: not Linux, or old
             self._pidfd = os.pidfd_open(pid)
         if self._pidfd is not None and not self._exit_via_sentinel:
@@ -129,6 +136,8 @@ class LocalRank:
             os.close(self._reader)
             self._reader = None
         self._output.discard()
+        if self._progress is not None:
+            self._progress.close()
 
     def poll(self) -> RankExit | None:
         """Make progress without waiting: read what the rank sent, reap it if it exited."""
@@ -182,6 +191,18 @@ class LocalRank:
                 else:
                     os.kill(pid, signum)
         return True
+
+    def last_beat(self) -> float | None:
+        """``time.monotonic()`` of the rank's last heartbeat, or None if none yet."""
+        return self._progress.last_beat() if self._progress is not None else None
+
+    async def stack(self, patience: float) -> str | None:
+        """Every thread's Python stack, from the running rank; None if it did not answer."""
+        if self._progress is None or not self._started or self.poll() is not None:
+            return None
+        pid = self.process.pid
+        assert pid is not None
+        return await self._progress.stack(self._pidfd, pid, patience)
 
     def _release_sentinel(self) -> None:
         # The Popen's sentinel pipe would stay open until the Process object is
@@ -254,5 +275,7 @@ class LocalRank:
             if fd is not None:
                 close_watched(fd)
         self._reader = self._pidfd = None
+        if self._progress is not None:
+            self._progress.close()
         self._release_sentinel()
         self._on_exit(self._exit)

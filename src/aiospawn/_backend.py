@@ -1,0 +1,106 @@
+"""The seam between a group's supervision and where its ranks run.
+
+:class:`~aiospawn.AsyncProcessContext` supervises (fail-fast, shutdown,
+restarts, hang detection, events) and knows nothing of processes; a backend
+makes and starts ranks, and each rank is a :class:`RankHandle` that reports
+its one exit. The local backend (``_launch.LocalBackend``) runs ranks as
+child processes; ``aiospawn.ray.RayBackend`` runs them as Ray actors.
+
+A rank handle is one *attempt* at a rank: a restarted rank is a new handle
+in the same slot, made by the same launcher.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from ._launch import LaunchSpec
+from ._outcome import RankExit
+from ._output import CaptureBuffer
+
+#: Called once per handle, on the event-loop thread, with the attempt's exit.
+OnExit = Callable[[RankExit], None]
+
+
+class RankHandle(Protocol):
+    """One attempt at one rank, from creation to its recorded exit."""
+
+    @property
+    def rank(self) -> int:
+        """The rank's index."""
+
+    @property
+    def started(self) -> bool:
+        """True once the rank is running (its start succeeded)."""
+
+    @property
+    def pid(self) -> int | None:
+        """The id of the process running the rank, once started."""
+
+    @property
+    def process(self) -> Any:
+        """The ``multiprocessing`` process object, or ``None`` if there is none."""
+
+    @property
+    def exit(self) -> RankExit | None:
+        """How the attempt ended, once it has ended and been cleaned up."""
+
+    def poll(self) -> RankExit | None:
+        """Make progress without waiting; return the exit if it is known now."""
+
+    async def wait(self) -> RankExit:
+        """Wait for the exit. Several tasks may call this at once; one watches."""
+
+    def send_signal(self, signum: int) -> bool:
+        """Ask the rank to stop: ``SIGTERM`` politely, ``SIGKILL`` at once.
+
+        Marks the attempt as stopped by us. Returns False, and does nothing,
+        if the rank is not running (not started, or already exited).
+        """
+
+    def last_beat(self) -> float | None:
+        """``time.monotonic()`` of the rank's last heartbeat, or None if none yet.
+
+        Only asked when the group watches heartbeats (see ``LaunchSpec``).
+        """
+
+    async def stack(self, patience: float) -> str | None:
+        """The Python stacks of every thread of the running rank, or None.
+
+        None when the rank did not answer within ``patience`` seconds (it blocks
+        every signal, or is stuck in the kernel) or the backend cannot ask.
+        """
+
+
+class GroupLauncher(Protocol):
+    """Makes and starts the ranks of one group, for as long as the group lives."""
+
+    def make_rank(self, index: int, restart: int, on_exit: OnExit) -> RankHandle:
+        """Create, without starting, attempt number ``restart`` of rank ``index``."""
+
+    async def start(self, ranks: Sequence[RankHandle]) -> None:
+        """Start ``ranks`` together; return once every start has finished.
+
+        Ranks whose start did not happen have their resources released.
+
+        Raises:
+            Exception: The start error of the lowest failing rank, with a note.
+        """
+
+    def new_rendezvous(self) -> None:
+        """Let the next whole-group start use a fresh rendezvous (``MASTER_PORT``)."""
+
+    async def aclose(self) -> None:
+        """Release what the group holds, once every rank has exited. Idempotent."""
+
+
+class Backend(Protocol):
+    """Where a group's ranks run: local processes by default."""
+
+    async def open(self, spec: LaunchSpec, capture: CaptureBuffer | None) -> GroupLauncher:
+        """Prepare to run the group ``spec`` (connect, check); nothing is started yet.
+
+        Raises:
+            ValueError: ``spec`` asks for something this backend cannot do.
+        """

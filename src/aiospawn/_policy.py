@@ -1,0 +1,130 @@
+"""Restart policies: when a failed rank (or the whole group) is started again.
+
+The model is Erlang/OTP's supervisor: a *strategy* says what restarts
+(``one_for_all``: the whole group; ``one_for_one``: the failed rank alone),
+and an *intensity* (``max_restarts`` within ``window`` seconds) says when to
+give up and report the failure instead.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = ["Backoff", "RestartPolicy", "RestartRecord"]
+
+
+def _check_positive(name: str, value: object, *, allow_zero: bool = True) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{name} must be {'non-negative' if allow_zero else 'positive'}")
+
+
+@dataclass(frozen=True, slots=True)
+class Backoff:
+    """How long to wait before a restart: ``initial * factor ** n``, at most ``max``.
+
+    ``n`` is how many restarts happened within the policy's ``window`` before
+    this one, so the delay grows while failures come fast and falls back once
+    the group has run quietly for a window.
+
+    Raises:
+        ValueError: A negative ``initial`` or ``max``, or a ``factor`` below 1.
+    """
+
+    initial: float = 0.5
+    factor: float = 2.0
+    max: float = 30.0
+
+    def __post_init__(self) -> None:
+        _check_positive("Backoff.initial", self.initial)
+        _check_positive("Backoff.max", self.max)
+        _check_positive("Backoff.factor", self.factor)
+        if self.factor < 1:
+            raise ValueError(f"Backoff.factor must be at least 1, got {self.factor!r}")
+
+    def delay(self, recent_restarts: int) -> float:
+        """Seconds to wait before a restart that follows ``recent_restarts`` others."""
+        return float(min(self.max, self.initial * self.factor**recent_restarts))
+
+
+@dataclass(frozen=True, slots=True)
+class RestartPolicy:
+    """When and how a group restarts ranks instead of failing.
+
+    Attributes:
+        max_restarts: Restarts allowed within ``window`` seconds; the failure
+            that would make one more is raised instead (0: never restart).
+        window: The intensity window, in seconds.
+        backoff: The wait before each restart.
+        strategy: ``"one_for_all"`` (the default; right for ranks that talk to
+            each other): shut the whole group down with the usual escalation
+            and start every rank again. ``"one_for_one"``: start the failed
+            rank again and leave the others running.
+        on: ``"failure"`` (the default): restart after a rank fails (raises,
+            exits non-zero, is killed, or hangs). ``"any"``: also after a rank
+            returns, for ranks that should run until stopped.
+
+    Raises:
+        ValueError: A field out of range, or an unknown strategy or ``on``.
+    """
+
+    max_restarts: int = 3
+    window: float = 60.0
+    backoff: Backoff = field(default_factory=Backoff)
+    strategy: Literal["one_for_all", "one_for_one"] = "one_for_all"
+    on: Literal["failure", "any"] = "failure"
+
+    def __post_init__(self) -> None:
+        if (
+            isinstance(self.max_restarts, bool)
+            or not isinstance(self.max_restarts, int)
+            or self.max_restarts < 0
+        ):
+            raise ValueError(f"max_restarts must be a non-negative int, got {self.max_restarts!r}")
+        _check_positive("window", self.window, allow_zero=False)
+        if not isinstance(self.backoff, Backoff):
+            raise TypeError(f"backoff must be an aiospawn.Backoff, got {self.backoff!r}")
+        if self.strategy not in ("one_for_all", "one_for_one"):
+            raise ValueError(
+                f"strategy must be 'one_for_all' or 'one_for_one', got {self.strategy!r}"
+            )
+        if self.on not in ("failure", "any"):
+            raise ValueError(f"on must be 'failure' or 'any', got {self.on!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RestartRecord:
+    """One exit that a restart policy acted on, kept in the group's history.
+
+    Attributes:
+        rank: The rank that ended.
+        pid: The process id it had.
+        restart: Its restart count at the time (0: its first run).
+        outcome: How it ended: ``"raised"``, ``"exit code 3"``, ``"SIGKILL"``,
+            ``"hung"`` or ``"returned"``.
+        exit_code: The exit code (negative for a signal); ``None`` for a hung
+            rank, which the supervisor stopped.
+        time: When it ended, as ``time.time()``.
+    """
+
+    rank: int
+    pid: int
+    restart: int
+    outcome: str
+    exit_code: int | None
+    time: float
+
+    def __str__(self) -> str:
+        when = _clock(self.time)
+        return f"{when} rank {self.rank} (pid {self.pid}, restart {self.restart}): {self.outcome}"
+
+
+def _clock(wall_time: float) -> str:
+    import time
+
+    return (
+        time.strftime("%H:%M:%S", time.localtime(wall_time)) + f".{int(wall_time % 1 * 1000):03d}"
+    )

@@ -1,0 +1,111 @@
+"""The supervisor's side of a rank's heartbeats and of its stack dumps.
+
+A rank's heartbeat is one ``time.monotonic_ns()`` stored in eight bytes of
+memory shared with the supervisor (a memfd mapped on both sides), so a beat
+costs the rank a clock read and a store, and the supervisor reads it without
+a system call. ``CLOCK_MONOTONIC`` is one clock for every process of the
+machine, so the two sides' readings compare directly.
+
+When a rank is found hung, the supervisor sends it ``STACK_SIGNAL``, on
+which ``faulthandler`` in the rank writes every thread's Python stack into
+a pipe to the supervisor (see ``_child``).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import signal
+
+import anyio
+
+from ._child import BEAT_BYTES, STACK_SIGNAL
+from ._pipes import close_watched, rank_pipe
+from ._wire import ChildEnd
+
+#: A stack dump is complete once the pipe has been quiet this long.
+_DUMP_QUIET = 0.1
+
+#: The most of a dump kept: faulthandler writes at most 100 frames of at most
+#: 100 threads, far less than this.
+_DUMP_LIMIT = 1 << 20
+
+
+class RankProgress:
+    """One rank's heartbeat slot and stack channel, seen from the supervisor."""
+
+    def __init__(self) -> None:
+        memory = os.memfd_create("aiospawn-heartbeat", os.MFD_CLOEXEC)
+        os.ftruncate(memory, BEAT_BYTES)
+        self._shared = mmap.mmap(memory, BEAT_BYTES)
+        self._beat = memoryview(self._shared).cast("q")
+        self._reader: int | None
+        self._reader, stacks = rank_pipe()
+        os.set_blocking(self._reader, False)
+        #: The ends the rank gets; ours are closed once it has its copies.
+        self.child_ends: tuple[ChildEnd, ChildEnd] = (ChildEnd(memory), stacks)
+
+    def started(self) -> None:
+        """Close our copies of the rank's ends, once the rank has its own."""
+        for end in self.child_ends:
+            os.close(end.fd)
+        self.child_ends = ()  # type: ignore[assignment]
+
+    def last_beat(self) -> float | None:
+        """The rank's last heartbeat on the ``time.monotonic()`` clock, if it beat."""
+        if self._shared.closed:
+            return None
+        beat = self._beat[0]
+        return beat / 1e9 if beat else None
+
+    async def stack(self, pidfd: int | None, pid: int, patience: float) -> str | None:
+        """Ask the running rank for its threads' stacks; None if none came in ``patience`` s."""
+        try:
+            if pidfd is not None:
+                signal.pidfd_send_signal(pidfd, STACK_SIGNAL)
+            else:
+                os.kill(pid, STACK_SIGNAL)
+        except ProcessLookupError:
+            return None
+        dump = bytearray()
+        with anyio.move_on_after(patience):
+            # Wait for the first bytes, then read until the pipe is quiet.
+            while len(dump) < _DUMP_LIMIT:
+                with anyio.move_on_after(_DUMP_QUIET if dump else patience) as quiet:
+                    chunk = await self._read()
+                if quiet.cancelled_caught or not chunk:
+                    break
+                dump += chunk
+        return _without_guard(dump.decode(errors="replace")) if dump else None
+
+    async def _read(self) -> bytes:
+        """What the pipe holds once readable; empty if it was closed meanwhile."""
+        while self._reader is not None:
+            try:
+                await anyio.wait_readable(self._reader)
+                return os.read(self._reader, 65536)
+            except anyio.ClosedResourceError:  # the rank exited, and was recorded
+                break
+            except BlockingIOError:
+                continue
+        return b""
+
+    def close(self) -> None:
+        """Release the slot and the pipe (idempotent)."""
+        for end in self.child_ends:
+            os.close(end.fd)
+        self.child_ends = ()  # type: ignore[assignment]
+        if self._reader is not None:
+            close_watched(self._reader)
+            self._reader = None
+        if not self._shared.closed:
+            self._beat.release()
+            self._shared.close()
+
+
+def _without_guard(dump: str) -> str:
+    # faulthandler lists every thread, one paragraph each; the guard thread
+    # that watches the supervisor (_child._die_with_supervisor) is ours.
+    threads = dump.strip("\n").split("\n\n")
+    kept = [thread for thread in threads if "_die_with_supervisor" not in thread]
+    return "\n\n".join(kept) + "\n"

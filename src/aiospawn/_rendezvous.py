@@ -1,0 +1,50 @@
+"""The environment torchrun gives each rank, for code written for torchrun.
+
+``torch.distributed``'s ``env://`` initialisation reads ``MASTER_ADDR`` and
+``MASTER_PORT`` (rank 0 listens there) plus ``RANK`` and ``WORLD_SIZE``;
+torchrun also sets the local and role sizes and its restart bookkeeping.
+A single-machine group is one torchrun "node": ``GROUP_RANK`` 0 of 1.
+``TORCHELASTIC_USE_AGENT_STORE`` stays unset: there is no agent store, so
+rank 0 hosts the store itself.
+"""
+
+from __future__ import annotations
+
+import socket
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that nothing listens on at the time of the call."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def torchrun_environment(
+    rank: int,
+    world_size: int,
+    restart: int,
+    master_port: int,
+    *,
+    master_addr: str = "127.0.0.1",
+    local_rank: int | None = None,
+    local_world_size: int | None = None,
+    group_rank: int = 0,
+    group_world_size: int = 1,
+) -> dict[str, str]:
+    """The variables torchrun sets in worker ``rank`` (local values default to global)."""
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank if local_rank is None else local_rank),
+        "LOCAL_WORLD_SIZE": str(world_size if local_world_size is None else local_world_size),
+        "GROUP_RANK": str(group_rank),
+        "GROUP_WORLD_SIZE": str(group_world_size),
+        "ROLE_NAME": "default",
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+        "TORCHELASTIC_RESTART_COUNT": str(restart),
+    }
