@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import signal
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Generic, Self, TypeVar, final
@@ -220,7 +220,7 @@ class AsyncProcessContext(Generic[T]):
         async for line in self._capture.lines():
             yield line
 
-    async def events(self) -> AsyncIterator[Event]:
+    def events(self) -> AsyncGenerator[Event, None]:
         """Yield the group's lifecycle events, from its start, as they happen.
 
         Each item is an immutable record (``Started``, ``Exited``, ``Hung``,
@@ -232,10 +232,10 @@ class AsyncProcessContext(Generic[T]):
 
         The group holds its newest 10,000 events and never waits for a
         consumer: one that falls further behind gets an ``EventsLost(count)``
-        and goes on from the oldest event still held.
+        and goes on from the oldest event still held. To stop early, iterate
+        inside ``contextlib.aclosing(ctx.events())``.
         """
-        async for event in self._events.follow():
-            yield event
+        return self._events.follow()
 
     def statistics(self) -> GroupStatistics:
         """A snapshot: ranks alive, each rank's state, restarts, last exits."""
@@ -389,7 +389,7 @@ class AsyncProcessContext(Generic[T]):
             pid=exit.pid,
             exit_code=exit.exit_code,
             signal_name=signal_name(exit.exit_code) if exit.exit_code < 0 else None,
-            outcome="returned" if exit.succeeded else exit.summary(),
+            outcome=exit.summary(),
             stopped_by_us=exit.stopped_by_us,
         )
         self._last_exits[exit.rank] = exited
@@ -611,7 +611,7 @@ class AsyncProcessContext(Generic[T]):
         """Find ranks that stopped beating (or never began) and report them hung."""
         while True:
             found = self._find_hung()
-            if isinstance(found, float):
+            if not isinstance(found, tuple):
                 await anyio.sleep(found)
                 continue
             rank, seconds, began, limit = found

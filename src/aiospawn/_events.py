@@ -11,7 +11,7 @@ missed, then goes on from the oldest record still held.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from time import monotonic
 from time import time as wall_clock
@@ -164,10 +164,10 @@ class GroupStatistics:
 
 
 class EventLog:
-    """The newest :data:`EVENT_BUFFER` events of a group, read by any number of consumers."""
+    """The newest ``size`` events of a group, read by any number of consumers."""
 
-    def __init__(self) -> None:
-        self._events: deque[Event] = deque(maxlen=EVENT_BUFFER)
+    def __init__(self, size: int = EVENT_BUFFER) -> None:
+        self._events: deque[Event] = deque(maxlen=size)
         self._appended = 0  # sequence number of the next event
         self._closed = False
         self._new = anyio.Event()
@@ -183,9 +183,9 @@ class EventLog:
         self._closed = True
         self._wake()
 
-    async def follow(self) -> AsyncIterator[Event]:
-        """Yield every event from the first one held, then each one as it comes."""
-        position = self._appended - len(self._events)
+    async def follow(self) -> AsyncGenerator[Event, None]:
+        """Yield every event from the group's first, then each one as it comes."""
+        position = 0
         while True:
             oldest = self._appended - len(self._events)
             if position < oldest:

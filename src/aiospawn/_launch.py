@@ -191,6 +191,7 @@ class LocalLauncher:
         self._spec = spec
         self._capture = capture
         self._master_port: int | None = None
+        self._fresh_port = True
 
     def make_rank(self, index: int, restart: int, on_exit: Callable[[RankExit], None]) -> LocalRank:
         """Create (without starting) attempt number ``restart`` of rank ``index``."""
@@ -234,8 +235,8 @@ class LocalLauncher:
         await start_ranks(local, self._spec.start_method)
 
     def new_rendezvous(self) -> None:
-        """Pick a fresh ``MASTER_PORT`` for the next ranks made."""
-        self._master_port = None
+        """Pick a fresh ``MASTER_PORT``, not the last one, for the next ranks made."""
+        self._fresh_port = True
 
     async def aclose(self) -> None:
         """Nothing to release: each rank releases its own descriptors when reaped."""
@@ -244,8 +245,10 @@ class LocalLauncher:
         spec = self._spec
         env = {RESTART_COUNT_VAR: str(restart)}
         if spec.torchrun_env:
-            if self._master_port is None:
-                self._master_port = free_port()
+            if self._fresh_port:
+                self._master_port = free_port(avoid=self._master_port)
+                self._fresh_port = False
+            assert self._master_port is not None
             env.update(torchrun_environment(index, spec.nprocs, restart, self._master_port))
         user = spec.env(index) if callable(spec.env) else spec.env
         if user:

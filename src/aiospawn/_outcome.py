@@ -57,7 +57,9 @@ class RankExit:
         return pickle.loads(self.frame[1])
 
     def summary(self) -> str:
-        """How it ended, in a word or two: ``raised``, ``SIGKILL``, ``exit code 3``."""
+        """How it ended in a word or two: ``returned``, ``raised``, ``SIGKILL``, ``exit code 3``."""
+        if self.succeeded:
+            return "returned"
         if self.frame is not None and self.frame[0] == Kind.RAISED:
             return "raised"
         if self.exit_code < 0:

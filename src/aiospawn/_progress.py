@@ -76,7 +76,7 @@ class RankProgress:
                 if quiet.cancelled_caught or not chunk:
                     break
                 dump += chunk
-        return _without_guard(dump.decode(errors="replace")) if dump else None
+        return _tidy(dump.decode(errors="replace")) if dump else None
 
     async def _read(self) -> bytes:
         """What the pipe holds once readable; empty if it was closed meanwhile."""
@@ -103,9 +103,21 @@ class RankProgress:
             self._shared.close()
 
 
-def _without_guard(dump: str) -> str:
-    # faulthandler lists every thread, one paragraph each; the guard thread
-    # that watches the supervisor (_child._die_with_supervisor) is ours.
-    threads = dump.strip("\n").split("\n\n")
-    kept = [thread for thread in threads if "_die_with_supervisor" not in thread]
-    return "\n\n".join(kept) + "\n"
+def _tidy(dump: str) -> str:
+    """The user's part of a faulthandler dump: one paragraph per thread.
+
+    Dropped: the guard thread that watches the supervisor (ours), and in each
+    thread the frames from the rank bootstrap down (``run_rank`` and what
+    started it, which under ``fork`` includes the supervisor's own frames).
+    """
+    threads = []
+    for thread in dump.strip("\n").split("\n\n"):
+        if "in _die_with_supervisor" in thread:
+            continue
+        lines = thread.splitlines()
+        for index, line in enumerate(lines):
+            if line.endswith(" in run_rank") and "aiospawn" in line:
+                lines = lines[:index]
+                break
+        threads.append("\n".join(lines))
+    return "\n\n".join(threads) + "\n"

@@ -13,12 +13,14 @@ from __future__ import annotations
 import socket
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that nothing listens on at the time of the call."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
+def free_port(host: str = "127.0.0.1", *, avoid: int | None = None) -> int:
+    """A TCP port on ``host`` that nothing uses at the time of the call, other than ``avoid``."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            port: int = sock.getsockname()[1]
+        if port != avoid:
+            return port
 
 
 def torchrun_environment(
