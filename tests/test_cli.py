@@ -455,8 +455,9 @@ def by_rank_lines(text: str, rank: int) -> list[str]:
         ["run", "--fn", "no_such_module_here:main"],
         ["run", "-m", "no_such_module_here"],
         ["run", "--no-python", "/no/such/program"],
-        ["run", "--max-restarts", "2", "TOUCH"],
+        ["run", "--max-restarts", "-1", "TOUCH"],
         ["run", "--restart-window", "60", "TOUCH"],
+        ["run", "--max-restarts", "1", "--restart-window", "0", "TOUCH"],
         ["run", "--stdout", "capture", "TOUCH"],
         ["run", "--tee", "TOUCH"],
         ["run", "-m", "--fn", "x:y"],
@@ -483,6 +484,40 @@ def test_max_restarts_zero_is_accepted(tmp_path: Path) -> None:
     result = run("run", "--max-restarts", "0", program("touch.py"), str(marker))
     assert result.returncode == 0, result.stderr
     assert marker.exists()
+
+
+def test_max_restarts_starts_every_rank_again_with_a_fresh_port() -> None:
+    result = run("run", "-n", "2", "--max-restarts", "1", program("fail_first_run.py"))
+    assert result.returncode == 0, result.stderr
+    runs = [json.loads(line.split(": ", 1)[1]) for line in result.stdout.splitlines()]
+    assert sorted((run["rank"], run["restart"]) for run in runs) == [
+        ("0", "0"),
+        ("0", "1"),
+        ("1", "0"),
+        ("1", "1"),
+    ]
+    ports = {run["restart"]: run["port"] for run in runs}
+    assert ports["0"] != ports["1"]
+
+
+def test_restarts_used_up_report_the_failure_with_a_restarts_column() -> None:
+    result = run(
+        "run",
+        "-n",
+        "2",
+        "--max-restarts",
+        "1",
+        "--grace-period",
+        "1",
+        program("fail.py"),
+        "exit3",
+        "1",
+    )
+    assert result.returncode == 3
+    lines = result.stderr.splitlines()
+    table = lines[lines.index(next(line for line in lines if "summary of" in line)) + 1 :]
+    assert table[0].split() == ["rank", "pid", "exit", "restarts", "duration"]
+    assert re.fullmatch(r"\s+1\s+\d+\s+exit code 3, root cause\s+1\s+[\d.]+ s", table[2])
 
 
 def test_help_documents_the_options() -> None:

@@ -42,8 +42,9 @@ Launch modes:
 The rank's environment is set before the target's code is imported. Every
 rank gets the variables ``torchrun`` sets for a single node: ``RANK``,
 ``LOCAL_RANK`` (both the rank), ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE`` (both
-``--nprocs``), ``GROUP_RANK=0``, ``MASTER_ADDR=127.0.0.1`` and ``MASTER_PORT``
-(a port that was free on 127.0.0.1 when the launcher started), plus
+``--nprocs``), ``GROUP_RANK=0``, ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT``
+(a port that was free on 127.0.0.1 when the ranks started) and
+``TORCHELASTIC_RESTART_COUNT`` (the ``torchrun_env`` option), plus
 ``OMP_NUM_THREADS=1`` when it is unset and there is more than one rank (a one-line
 note on stderr says so), then the ``--env KEY=VALUE`` pairs, which win.
 
@@ -67,9 +68,11 @@ Options:
   launcher's streams, behind the prefix.
 * ``--env KEY=VALUE``: an environment variable for every rank; repeatable.
 * ``-v/--verbose``: a one-line summary after a successful run too.
-* ``--max-restarts`` / ``--restart-window``: accepted for ``torchrun``
-  compatibility only with no restarts (``--max-restarts 0``); restarts are not
-  available yet, and anything else is refused.
+* ``--max-restarts N``: when a rank fails, stop the others (SIGTERM, grace
+  period, SIGKILL) and start all ranks again, up to N times, as torchrun does;
+  each start gets a fresh ``MASTER_PORT`` and ``TORCHELASTIC_RESTART_COUNT``.
+  Default 0. ``--restart-window SECONDS``: count only the restarts of the last
+  SECONDS (default: all of them).
 
 If the launcher's stdout or stderr is a pipe whose reader has gone (``| head``),
 the launcher dies of SIGPIPE as other command-line tools do, and its ranks die
@@ -105,7 +108,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import sys
 import time
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -185,10 +187,18 @@ def _parser() -> argparse.ArgumentParser:
         " SIGTERM to SIGKILL (default: no wait after a failure, 30 s to SIGKILL)",
     )
     run.add_argument(
-        "--max-restarts", type=int, default=None, metavar="N", help="only 0: not available yet"
+        "--max-restarts",
+        type=_count,
+        default=0,
+        metavar="N",
+        help="restart all ranks when one fails, up to N times (default 0)",
     )
     run.add_argument(
-        "--restart-window", type=float, default=None, metavar="SECONDS", help="not available yet"
+        "--restart-window",
+        type=_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="count only the restarts of the last SECONDS (default: all)",
     )
     for stream in ("stdout", "stderr"):
         run.add_argument(
@@ -280,6 +290,17 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _count(text: str) -> int:
+
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"wants a non-negative whole number, got {text!r}")
+    return value
+
+
 def _stream_mode(text: str) -> str:
 
     if text == "capture":
@@ -304,13 +325,18 @@ class _Plan:
     """A checked ``aiospawn run`` command line: what to start and how."""
 
     def __init__(self, options: argparse.Namespace) -> None:
-        if options.max_restarts:
-            raise UsageError(
-                f"--max-restarts {options.max_restarts}: restarts are not available yet"
-                " (only --max-restarts 0)"
+        if options.restart_window is not None and not options.max_restarts:
+            raise UsageError("--restart-window needs --max-restarts N, N > 0")
+        if options.restart_window == 0:
+            raise UsageError("--restart-window must be more than 0 seconds")
+        self.restart = (
+            aiospawn.RestartPolicy(
+                max_restarts=options.max_restarts,
+                window=options.restart_window or math.inf,
             )
-        if options.restart_window is not None:
-            raise UsageError("--restart-window: restarts are not available yet")
+            if options.max_restarts
+            else None
+        )
         if options.target is None:
             raise UsageError(
                 "missing TARGET: a script, -m module, --fn module:function or --no-python program"
@@ -327,12 +353,15 @@ class _Plan:
         self.tee: bool = options.tee
         if self.tee and all(mode in STREAM_MODES for mode in (self.stdout, self.stderr)):
             raise UsageError("--tee needs --log-dir DIR, or a directory for --stdout or --stderr")
-        self.env = _torchrun_env(self.nprocs, dict(options.env))
-        self.omp_note = "OMP_NUM_THREADS" in self.env.base
-
-    def rank_env(self, rank: int) -> dict[str, str]:
-        """The variables set in rank ``rank``."""
-        return self.env.of(rank)
+        # Beside the torchrun_env variables; --env wins over both.
+        self.env = dict(options.env)
+        self.omp_note = (
+            self.nprocs > 1
+            and "OMP_NUM_THREADS" not in os.environ
+            and "OMP_NUM_THREADS" not in self.env
+        )
+        if self.omp_note:
+            self.env = {"OMP_NUM_THREADS": "1", **self.env}
 
 
 def _target(options: argparse.Namespace) -> tuple[Callable[..., None], tuple[Any, ...], str]:
@@ -372,52 +401,17 @@ def _check_module(name: str) -> None:
         raise UsageError(f"-m {name}: no module named {name!r}")
 
 
-class _Env:
-    """The environment of every rank: shared variables plus the per-rank ones."""
-
-    def __init__(self, base: dict[str, str], extra: dict[str, str]) -> None:
-        self.base = base
-        self.extra = extra
-
-    def of(self, rank: int) -> dict[str, str]:
-        return {**self.base, "RANK": str(rank), "LOCAL_RANK": str(rank), **self.extra}
-
-
-def _torchrun_env(nprocs: int, extra: dict[str, str]) -> _Env:
-    base = {
-        "WORLD_SIZE": str(nprocs),
-        "LOCAL_WORLD_SIZE": str(nprocs),
-        "GROUP_RANK": "0",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
-    }
-    if nprocs > 1 and "OMP_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in extra:
-        base["OMP_NUM_THREADS"] = "1"
-    return _Env(base, extra)
-
-
-def _free_port() -> int:
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 # ------------------------------------------------------------------------ supervision
 
 
 class _Run:
-    """What happened to a run: its group, the ranks' exit times, signals received."""
+    """What happened to a run: its group, its outcome, signals received."""
 
     def __init__(self, plan: _Plan) -> None:
 
         self.plan = plan
         self.started_at = time.monotonic()
         self.group: AsyncProcessContext[Any] | None = None
-        self.pidfds: list[int | None] = []
-        self.exited_at: dict[int, float] = {}
-        self.all_noted = anyio.Event()
         self.signals: list[int] = []
         self.failure: BaseException | None = None
         self.start_error: BaseException | None = None
@@ -442,7 +436,9 @@ async def _supervise(plan: _Plan) -> int:
                         join=False,
                         start_method=plan.start_method,
                         grace_period=plan.grace_period,
-                        env=plan.rank_env,
+                        env=plan.env,
+                        torchrun_env=True,
+                        restart=plan.restart,
                         stdout=plan.stdout,
                         stderr=plan.stderr,
                         tee=plan.tee,
@@ -452,46 +448,13 @@ async def _supervise(plan: _Plan) -> int:
                 except Exception as exc:
                     run.start_error = exc
                 else:
-                    # Before any await: nothing has reaped a rank yet, so each
-                    # pid is still the rank's.
-                    _open_pidfds(run)
-                    if all(pidfd is None for pidfd in run.pidfds):
-                        run.all_noted.set()
-                    for rank, pidfd in enumerate(run.pidfds):
-                        if pidfd is not None:
-                            tasks.start_soon(_note_exit, run, rank, pidfd)
                     try:
                         await run.group.join()
                     except aiospawn.ProcessException as exc:
                         run.failure = exc
             run.finished = True
-            if run.group is not None:
-                # Every rank has been reaped: the exit notes are due at once.
-                with anyio.move_on_after(1):
-                    await run.all_noted.wait()
             tasks.cancel_scope.cancel()
-    for pidfd in run.pidfds:
-        if pidfd is not None:
-            os.close(pidfd)
     return _report(run)
-
-
-def _open_pidfds(run: _Run) -> None:
-    assert run.group is not None
-    for pid in run.group.pids():
-        try:
-            run.pidfds.append(os.pidfd_open(pid))
-        except (AttributeError, OSError):  # no pidfd (not Linux), or it is gone
-            run.pidfds.append(None)
-
-
-async def _note_exit(run: _Run, rank: int, pidfd: int) -> None:
-    """Record when rank ``rank`` exited: a pidfd of our own turns readable then."""
-
-    await anyio.wait_readable(pidfd)
-    run.exited_at[rank] = time.monotonic()
-    if len(run.exited_at) == sum(fd is not None for fd in run.pidfds):
-        run.all_noted.set()
 
 
 async def _on_signals(received: Any, run: _Run, ranks_scope: Any) -> None:
@@ -584,33 +547,39 @@ def _indent(text: str) -> str:
 def _table(run: _Run, root: int | None) -> str:
 
     assert run.group is not None
-    rows = [("rank", "pid", "exit", "duration")]
-    for rank, process in enumerate(run.group.processes):
-        code = process.exitcode
-        if code is None:
-            exit_text = "still running" if process.pid is not None else "not started"
-        elif code < 0:
-            try:
-                name = signal.Signals(-code).name
-            except ValueError:
-                name = f"signal {-code}"
-            exit_text = f"{name} ({code})"
-            if rank == root and -code == signal.SIGKILL:
-                exit_text += ", not sent by aiospawn: out of memory? (see dmesg)"
-            elif rank != root and (run.signals or root is not None):
-                exit_text += ", stopped by aiospawn"
+    statistics = run.group.statistics()
+    restarts = statistics.restarts > 0
+    rows: list[tuple[str, ...]] = [("rank", "pid", "exit", "restarts", "duration")]
+    for rank in statistics.ranks:
+        last = rank.last_exit
+        if last is None:
+            exit_text = "still running" if rank.pid is not None else "not started"
+        elif last.signal_name is not None:
+            exit_text = f"{last.signal_name} ({last.exit_code})"
         else:
-            exit_text = f"exit code {code}"
-        if rank == root:
+            exit_text = f"exit code {last.exit_code}"
+        if last is not None and last.stopped_by_us:
+            exit_text += ", stopped by aiospawn"
+        elif rank.rank == root and last is not None and last.signal_name == "SIGKILL":
+            exit_text += ", not sent by aiospawn: out of memory? (see dmesg)"
+        if rank.rank == root:
             exit_text += ", root cause"
-        ended = run.exited_at.get(rank)
-        duration = "?" if ended is None else f"{ended - run.started_at:.2f} s"
-        rows.append((str(rank), str(process.pid or "-"), exit_text, duration))
-    widths = [max(len(row[column]) for row in rows) for column in range(3)]
-    return "\n".join(
-        f"  {row[0]:>{widths[0]}}  {row[1]:>{widths[1]}}  {row[2]:<{widths[2]}}  {row[3]}"
-        for row in rows
-    )
+        if last is None or rank.last_start is None:
+            duration = "?"
+        else:
+            duration = f"{last.time - rank.last_start.time:.2f} s"
+        rows.append((str(rank.rank), str(rank.pid or "-"), exit_text, str(rank.restarts), duration))
+    if not restarts:  # without restarts the column says nothing
+        rows = [(*row[:3], row[4]) for row in rows]
+    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
+    lines = []
+    for row in rows:
+        cells = [
+            cell.rjust(width) if column < 2 else cell.ljust(width)
+            for column, (cell, width) in enumerate(zip(row, widths, strict=True))
+        ]
+        lines.append(("  " + "  ".join(cells)).rstrip())
+    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------ main

@@ -142,7 +142,7 @@ class AsyncProcessContext(Generic[T]):
         self._ranks: list[RankHandle] = [
             launcher.make_rank(index, 0, self._on_exit) for index in range(spec.nprocs)
         ]
-        self._started_at = [math.inf] * spec.nprocs  # time.monotonic() of each start
+        self._last_starts: list[Started | None] = [None] * spec.nprocs
         self._last_exits: list[Exited | None] = [None] * spec.nprocs
         self._started = anyio.Event()
         self._starting: anyio.Event | None = None  # set when a restart's start finishes
@@ -258,6 +258,7 @@ class AsyncProcessContext(Generic[T]):
                     pid=rank.pid,
                     state=state,
                     restarts=self._restarts[index],
+                    last_start=self._last_starts[index],
                     last_exit=self._last_exits[index],
                 )
             )
@@ -600,12 +601,10 @@ class AsyncProcessContext(Generic[T]):
 
     async def _launch(self, ranks: Sequence[RankHandle]) -> None:
         await self._launcher.start(ranks)
-        now = time.monotonic()
         for rank in ranks:
-            self._started_at[rank.rank] = now
-            self._events.append(
-                Started(rank=rank.rank, pid=rank.pid, restart=self._restarts[rank.rank])
-            )
+            started = Started(rank=rank.rank, pid=rank.pid, restart=self._restarts[rank.rank])
+            self._last_starts[rank.rank] = started
+            self._events.append(started)
 
     async def _watch_heartbeats(self) -> None:
         """Find ranks that stopped beating (or never began) and report them hung."""
@@ -635,7 +634,9 @@ class AsyncProcessContext(Generic[T]):
             )
             if limit is None:
                 continue
-            since = beat if beat is not None else self._started_at[rank.rank]
+            started = self._last_starts[rank.rank]
+            assert started is not None
+            since = beat if beat is not None else started.time
             if now - since >= limit:
                 return rank, now - since, beat is not None, limit
             next_check = min(next_check, since + limit)

@@ -138,6 +138,7 @@ class RankStatistics:
         state: ``"starting"``, ``"running"``, ``"stopping"`` (asked to stop),
             ``"restarting"`` (waiting to be started again) or ``"exited"``.
         restarts: How many times it has been restarted.
+        last_start: Its latest start, once started.
         last_exit: Its latest exit, if it has exited.
     """
 
@@ -145,6 +146,7 @@ class RankStatistics:
     pid: int | None
     state: str
     restarts: int
+    last_start: Started | None
     last_exit: Exited | None
 
 

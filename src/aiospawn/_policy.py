@@ -15,11 +15,11 @@ from typing import Literal
 __all__ = ["Backoff", "RestartPolicy", "RestartRecord"]
 
 
-def _check_positive(name: str, value: object, *, allow_zero: bool = True) -> None:
+def _check_seconds(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"{name} must be {'non-negative' if allow_zero else 'positive'}")
+    if value < 0:
+        raise ValueError(f"{name} must be non-negative, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,9 +39,9 @@ class Backoff:
     max: float = 30.0
 
     def __post_init__(self) -> None:
-        _check_positive("Backoff.initial", self.initial)
-        _check_positive("Backoff.max", self.max)
-        _check_positive("Backoff.factor", self.factor)
+        _check_seconds("Backoff.initial", self.initial)
+        _check_seconds("Backoff.max", self.max)
+        _check_seconds("Backoff.factor", self.factor)
         if self.factor < 1:
             raise ValueError(f"Backoff.factor must be at least 1, got {self.factor!r}")
 
@@ -57,7 +57,8 @@ class RestartPolicy:
     Attributes:
         max_restarts: Restarts allowed within ``window`` seconds; the failure
             that would make one more is raised instead (0: never restart).
-        window: The intensity window, in seconds.
+        window: The intensity window, in seconds; ``math.inf`` counts every
+            restart of the group's life, as torchrun's ``--max-restarts`` does.
         backoff: The wait before each restart.
         strategy: ``"one_for_all"`` (the default; right for ranks that talk to
             each other): shut the whole group down with the usual escalation
@@ -84,7 +85,10 @@ class RestartPolicy:
             or self.max_restarts < 0
         ):
             raise ValueError(f"max_restarts must be a non-negative int, got {self.max_restarts!r}")
-        _check_positive("window", self.window, allow_zero=False)
+        if isinstance(self.window, bool) or not isinstance(self.window, int | float):
+            raise ValueError(f"window must be a number of seconds, got {self.window!r}")
+        if not self.window > 0:  # math.inf counts every restart, as torchrun does
+            raise ValueError(f"window must be positive, got {self.window!r}")
         if not isinstance(self.backoff, Backoff):
             raise TypeError(f"backoff must be an aiospawn.Backoff, got {self.backoff!r}")
         if self.strategy not in ("one_for_all", "one_for_one"):
