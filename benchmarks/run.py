@@ -24,6 +24,7 @@ SCENARIOS = {
     "teardown": ("bench_supervise", "teardown", "Teardown"),
     "idle": ("bench_supervise", "idle", "Supervisor overhead while ranks sleep"),
     "scale": ("bench_start", "scale", "Scale"),
+    "supervision": ("bench_supervision", "supervision", "Heartbeats, hang detection, restarts"),
 }
 
 

@@ -42,6 +42,19 @@ EXPECTED = {
         "ValueError: rank 1: loss became NaN at step 3",
         "the original exception is chained: ValueError('rank 1: loss became NaN at step 3')",
     ],
+    "restart.py": [
+        "rank 1: run 0, resuming at step 0",
+        "event: Exited rank 1: raised",
+        "event: Restarting rank 1",
+        "rank 1: run 1, resuming at step 3",
+        "results: [6, 6]; restarts: 1",
+    ],
+    "hang_detection.py": [
+        "rank 1 (pid",
+        "is hung: it sent no heartbeat for",
+        "in wait_for_peer_that_never_comes",
+        "in train",
+    ],
 }
 
 
