@@ -191,6 +191,36 @@ async def test_a_rank_blocking_every_signal_is_killed_and_reported_without_a_sta
     assert exited.stopped_by_us
 
 
+async def test_a_hung_rank_gets_sigterm_without_waiting_for_the_grace_period() -> None:
+    # The grace wait after a failure is for the others to exit by themselves;
+    # a hung rank will not, so it is stopped at once (and honours SIGTERM).
+    with (
+        tripwire(20, "a hung rank waiting out grace_period=60"),
+        pytest.raises(aiospawn.ProcessHungException),
+    ):
+        await aiospawn.start_processes(
+            supervision_ranks.beat_then,
+            ("sleep",),
+            nprocs=1,
+            heartbeat_timeout=0.5,
+            grace_period=60,
+            start_method="fork",
+        )
+
+
+async def test_a_failure_the_policy_absorbs_is_logged_with_its_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    policy = aiospawn.RestartPolicy(backoff=FAST)
+    await aiospawn.start_processes(
+        supervision_ranks.fail_first_runs, (0, 1), nprocs=1, restart=policy, start_method="fork"
+    )
+    [message] = [r.getMessage() for r in caplog.records if "restarting" in r.getMessage()]
+    assert message.startswith("Rank 0 (pid ")
+    assert "failed (raised); restarting the group in 0 s (restart 1 of at most 3" in message
+    assert "ValueError: rank 0 fails in run 0" in message
+
+
 async def test_a_rank_that_never_beats_is_hung_after_the_startup_timeout() -> None:
     with tripwire(60, "startup timeout"), pytest.raises(aiospawn.ProcessHungException) as caught:
         await aiospawn.start_processes(

@@ -61,7 +61,7 @@ from ._outcome import Hang, RankExit
 from ._output import CaptureBuffer, OutputLine
 from ._policy import RestartPolicy, RestartRecord
 from ._shield import run_to_completion
-from ._shutdown import Shutdown
+from ._shutdown import Shutdown, logger
 
 __all__ = ["AsyncProcessContext"]
 
@@ -441,8 +441,21 @@ class AsyncProcessContext(Generic[T]):
         else:
             slots = [failure.rank]
             stop = [handle] if handle.exit is None else []
-        due = now + policy.backoff.delay(len(recent))
-        self._pending.append(_PendingRestart(slots, due, stop, failure))
+        delay = policy.backoff.delay(len(recent))
+        self._pending.append(_PendingRestart(slots, now + delay, stop, failure))
+        logger.warning(
+            "Rank %d (pid %d) failed (%s); restarting %s in %.3g s (restart %d of at most %d"
+            " within %g s)\n%s",
+            failure.rank,
+            failure.pid,
+            failure.summary(),
+            "the group" if policy.strategy == "one_for_all" else "it",
+            delay,
+            len(recent) + 1,
+            policy.max_restarts,
+            policy.window,
+            str(failure.exception()).strip("\n"),
+        )
 
     def _give_up(self, failure: RankExit | Hang) -> None:
         self._root = failure
@@ -687,7 +700,9 @@ class AsyncProcessContext(Generic[T]):
                 await self._started.wait()
                 while self._starting is not None:  # a restart is starting ranks
                     await self._starting.wait()
-                self._stuck += await shutdown.run([rank for rank in self._ranks if rank.started])
+                started = [rank for rank in self._ranks if rank.started]
+                hung = [rank for rank in started if rank in self._hung]
+                self._stuck += await shutdown.run(started, at_once=hung)
                 await self._launcher.aclose()
             finally:
                 if self._over():

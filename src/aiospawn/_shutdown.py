@@ -59,21 +59,23 @@ class Shutdown:
         if self._waiting is not None:
             self._waiting.deadline = min(self._waiting.deadline, self._waiting_since + grace_period)
 
-    async def run(self, ranks: Sequence[RankHandle]) -> list[RankHandle]:
+    async def run(
+        self, ranks: Sequence[RankHandle], *, at_once: Sequence[RankHandle] = ()
+    ) -> list[RankHandle]:
         """Stop every rank of ``ranks`` that is still running, politely first.
+
+        Args:
+            ranks: The ranks to stop.
+            at_once: Those of ``ranks`` that get SIGTERM without the first
+                wait: they will not exit by themselves (a hung rank).
 
         Returns:
             The ranks that could not be reaped (stuck in the kernel), already logged.
         """
+        await self._terminate(at_once)
         await self._wait(ranks, lambda: self._first_wait)
         live = [rank for rank in ranks if rank.poll() is None]
-        for rank in live:
-            if rank.send_signal(signal.SIGTERM):
-                self._on_signal(rank, signal.SIGTERM)
-                logger.warning(
-                    "Terminating process %s via signal SIGTERM (rank %d)", rank.pid, rank.rank
-                )
-            await checkpoint()  # signalling many ranks takes a while: let the loop breathe
+        await self._terminate([rank for rank in live if rank not in at_once])
         await self._wait(live, lambda: self._term_wait)
         live = [rank for rank in live if rank.poll() is None]
         for rank in live:
@@ -98,6 +100,15 @@ class Shutdown:
                 REAP_TIMEOUT,
             )
         return stuck
+
+    async def _terminate(self, ranks: Sequence[RankHandle]) -> None:
+        for rank in ranks:
+            if rank.send_signal(signal.SIGTERM):
+                self._on_signal(rank, signal.SIGTERM)
+                logger.warning(
+                    "Terminating process %s via signal SIGTERM (rank %d)", rank.pid, rank.rank
+                )
+            await checkpoint()  # signalling many ranks takes a while: let the loop breathe
 
     async def _wait(self, ranks: Sequence[RankHandle], seconds: Callable[[], float]) -> None:
         """Wait for ``ranks`` to exit, at most ``seconds()``, read now and on each hurry."""
