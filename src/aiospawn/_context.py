@@ -410,10 +410,12 @@ class AsyncProcessContext(Generic[T]):
 
     def _failed(self, failure: RankExit | Hang, handle: RankHandle) -> None:
         """Restart as the policy allows, or make ``failure`` the group's root cause."""
-        if self._root is not None or self._shutdown is not None:
+        if self._root is not None:
             return
         policy = self._supervision.restart
-        if policy is None:
+        if policy is None or self._shutdown is not None:
+            # A failure found while the group shuts down still caused it; no
+            # restart can follow a shutdown.
             self._give_up(failure)
             return
         if policy.strategy == "one_for_all" and self._pending:
