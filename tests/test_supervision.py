@@ -116,6 +116,10 @@ async def test_cancelling_during_the_backoff_leaves_nothing_running() -> None:
                     break
     assert ctx.statistics().alive == 0
     assert not any(isinstance(event, aiospawn.Started) and event.restart > 0 for event in seen)
+    # Every rank ends with Stopped: the restart it waited for will not come.
+    events = await collect(ctx)
+    for rank in range(2):
+        assert per_rank(events, rank)[-1] == "Stopped"
     with pytest.raises(aiospawn.ProcessException):
         await ctx.join()  # the shutdown after the cancellation is the group's end
 

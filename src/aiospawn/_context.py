@@ -461,9 +461,17 @@ class AsyncProcessContext(Generic[T]):
 
     def _give_up(self, failure: RankExit | Hang) -> None:
         self._root = failure
-        self._pending.clear()
+        self._drop_pending()
         if self._body is not None:  # an async with block runs: stop it now
             self._body.cancel_scope.cancel()
+
+    def _drop_pending(self) -> None:
+        """Cancel the pending restarts: the slots that wait for one are finished."""
+        for index in sorted(self._pending_slots()):
+            rank = self._ranks[index]
+            if rank.exit is not None:
+                self._events.append(Stopped(rank=index, pid=rank.pid))
+        self._pending.clear()
 
     def _pending_slots(self) -> set[int]:
         return {index for pending in self._pending for index in pending.slots}
@@ -694,7 +702,7 @@ class AsyncProcessContext(Generic[T]):
         self._shutdown = shutdown = Shutdown(
             grace, wait_first=after_failure, on_signal=self._signalled
         )
-        self._pending.clear()
+        self._drop_pending()
         done = self._shutdown_done
 
         async def escalate() -> None:
