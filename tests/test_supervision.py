@@ -124,6 +124,24 @@ async def test_cancelling_during_the_backoff_leaves_nothing_running() -> None:
         await ctx.join()  # the shutdown after the cancellation is the group's end
 
 
+async def test_cancelling_while_a_restart_starts_ranks_leaves_nothing_running() -> None:
+    # No backoff: the cancellation lands while the new spawn ranks start.
+    policy = aiospawn.RestartPolicy(backoff=FAST)
+    ctx = await aiospawn.start_processes(
+        supervision_ranks.always_fail, nprocs=2, join=False, restart=policy
+    )
+    with tripwire(30, "cancelling a restart"):
+        async with anyio.create_task_group() as tg, aclosing(ctx.events()) as events:
+            tg.start_soon(ctx.join)
+            async for event in events:
+                if isinstance(event, aiospawn.Restarting):
+                    tg.cancel_scope.cancel()
+                    break
+    stats = ctx.statistics()
+    assert stats.alive == 0
+    assert [rank.state for rank in stats.ranks] == ["exited", "exited"]
+
+
 async def test_on_any_restarts_ranks_that_return() -> None:
     policy = aiospawn.RestartPolicy(max_restarts=2, backoff=FAST, on="any")
     ctx = await aiospawn.start_processes(

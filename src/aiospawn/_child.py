@@ -83,7 +83,7 @@ def heartbeat() -> None:
     """Tell the supervisor this rank is making progress.
 
     Cheap enough for a tight loop (one clock read and one store into memory
-    shared with the supervisor, about 0.2 microseconds) and safe from any
+    shared with the supervisor, about 0.1 microseconds) and safe from any
     thread. Outside a rank, or when the group has no ``heartbeat_timeout``,
     it does nothing.
     """

@@ -244,8 +244,8 @@ class AsyncProcessContext(Generic[T]):
         for index, rank in enumerate(self._ranks):
             if index in pending and (rank.exit is not None or not rank.started):
                 state = "restarting"
-            elif not rank.started:
-                state = "starting" if rank.exit is None else "exited"
+            elif not rank.started:  # starting, or never will: its slot is done
+                state = "exited" if self._finished() else "starting"
             elif rank.exit is not None:
                 state = "exited"
             elif self._shutdown is not None or rank in self._hung or index in pending:
