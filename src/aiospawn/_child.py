@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import _thread
 import contextlib
-import mmap
 import os
 import pickle
 import select
@@ -197,6 +196,8 @@ def run_rank(
 
 def _watch_progress(heartbeat: ChildEnd, stacks: ChildEnd) -> None:
     global _beat
+    import mmap  # only in ranks that beat
+
     shared = mmap.mmap(heartbeat.fd, BEAT_BYTES)
     os.close(heartbeat.fd)
     _beat = memoryview(shared).cast("q")
