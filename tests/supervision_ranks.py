@@ -98,3 +98,8 @@ def port_after_first_run(rank: int) -> str:
 
 def return_quickly(rank: int) -> int:
     return rank
+
+
+def print_then_fail(rank: int) -> None:
+    print(f"rank {rank} run {aiospawn.restart_count()}", flush=True)
+    raise ValueError("fails")

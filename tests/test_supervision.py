@@ -142,6 +142,29 @@ async def test_cancelling_while_a_restart_starts_ranks_leaves_nothing_running() 
     assert [rank.state for rank in stats.ranks] == ["exited", "exited"]
 
 
+async def test_terminate_during_a_backoff_ends_the_output_and_events() -> None:
+    policy = aiospawn.RestartPolicy(backoff=aiospawn.Backoff(initial=60))
+    ctx = await aiospawn.start_processes(
+        supervision_ranks.print_then_fail,
+        nprocs=1,
+        join=False,
+        restart=policy,
+        stdout="capture",  # spawn: a fork rank would print into pytest's own capture
+    )
+    with tripwire(30, "output and events after a dropped restart"):
+        async with anyio.create_task_group() as tg, aclosing(ctx.events()) as events:
+            tg.start_soon(ctx.join)
+            async for event in events:
+                if isinstance(event, aiospawn.Restarting):
+                    tg.cancel_scope.cancel()
+                    break
+        await ctx.terminate()
+        lines = [line.line async for line in ctx.output()]
+        kinds = per_rank(await collect(ctx), 0)
+    assert lines == ["rank 0 run 0"]
+    assert kinds[-1] == "Stopped"
+
+
 async def test_on_any_restarts_ranks_that_return() -> None:
     policy = aiospawn.RestartPolicy(max_restarts=2, backoff=FAST, on="any")
     ctx = await aiospawn.start_processes(

@@ -402,10 +402,7 @@ class AsyncProcessContext(Generic[T]):
                 self._failed(exit, handle)
         if exit.rank not in self._pending_slots():
             self._events.append(Stopped(rank=exit.rank, pid=exit.pid))
-        if self._over():
-            self._events.close()
-            if self._capture is not None:
-                self._capture.close()
+        self._close_if_over()
         self._notify()
 
     def _failed(self, failure: RankExit | Hang, handle: RankHandle) -> None:
@@ -483,6 +480,13 @@ class AsyncProcessContext(Generic[T]):
             or (self._started.is_set() and self._starting is None and not rank.started)
             for rank in self._ranks
         )
+
+    def _close_if_over(self) -> None:
+        """End the events and output iterations once nothing more can come."""
+        if self._over():
+            self._events.close()
+            if self._capture is not None:
+                self._capture.close()
 
     def _notify(self) -> None:
         self._changed.set()
@@ -715,8 +719,7 @@ class AsyncProcessContext(Generic[T]):
                 self._stuck += await shutdown.run(started, at_once=hung)
                 await self._launcher.aclose()
             finally:
-                if self._over():
-                    self._events.close()
+                self._close_if_over()  # a dropped restart may have been all that was left
                 done.set()
 
         await run_to_completion(escalate)
