@@ -178,20 +178,76 @@ def run_rank(
     try:
         value = fn(rank, *args)
     except SystemExit as exc:
-        if exc.code is None or exc.code == 0:
-            _send_value(fd, None)
-            return
-        code = exc.code if isinstance(exc.code, int) else 1
-        text = None if isinstance(exc.code, int) else f"sys.exit({exc.code!r})"
-        _send(fd, Kind.EXITED, pickle.dumps((code, text)))
-        raise  # multiprocessing turns it into the exit code (and prints a text code)
+        kind, payload, code = encode_exit(exc)
+        _send(fd, kind, payload)
+        if code:
+            raise  # multiprocessing turns it into the exit code (and prints a text code)
+        return
     except BaseException as exc:
-        # The traceback starts in fn: this bootstrap frame is not the user's.
-        if exc.__traceback__ is not None and exc.__traceback__.tb_next is not None:
-            exc = exc.with_traceback(exc.__traceback__.tb_next)
-        _send_exception(fd, exc)
+        _send(fd, Kind.RAISED, encode_exception(_from_fn(exc)))
         raise SystemExit(1) from None
-    _send_value(fd, value)
+    kind, payload, code = encode_value(value)
+    _send(fd, kind, payload)
+    if code:
+        raise SystemExit(code) from None
+
+
+#: ``(kind, payload, exit_code)``: the frame a rank sends, and the exit code it then has.
+Outcome = tuple[int, bytes, int]
+
+
+def call(fn: Callable[..., Any], rank: int, args: tuple[Any, ...]) -> Outcome:
+    """Run ``fn(rank, *args)`` here and encode how it ended, by the table above.
+
+    For backends whose ranks hand their frame back rather than write it to a pipe.
+    """
+    try:
+        value = fn(rank, *args)
+    except SystemExit as exc:
+        return encode_exit(exc)
+    except BaseException as exc:
+        return Kind.RAISED, encode_exception(_from_fn(exc)), 1
+    return encode_value(value)
+
+
+def encode_value(value: Any) -> Outcome:
+    """The frame of a returned value, or of the TypeError if it cannot be pickled."""
+    try:
+        payload = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        error = TypeError(f"the value returned by the rank cannot be pickled: {exc}")
+        error.__cause__ = exc
+        return Kind.RAISED, encode_exception(error), 1
+    return Kind.RETURNED, payload, 0
+
+
+def encode_exit(exc: SystemExit) -> Outcome:
+    """The frame of ``sys.exit(code)``: success for ``None`` and 0, else EXITED."""
+    if exc.code is None or exc.code == 0:
+        return encode_value(None)
+    code = exc.code if isinstance(exc.code, int) else 1
+    text = None if isinstance(exc.code, int) else f"sys.exit({exc.code!r})"
+    return Kind.EXITED, pickle.dumps((code, text)), code
+
+
+def encode_exception(exc: BaseException) -> bytes:
+    """The payload of a RAISED frame: the pickled exception if it pickles, its type, its text."""
+    import traceback
+
+    text = "".join(traceback.format_exception(exc))
+    type_name = f"{type(exc).__module__}.{type(exc).__qualname__}"
+    try:
+        exc_pickle: bytes | None = pickle.dumps(exc, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:
+        exc_pickle = None
+    return pickle.dumps((exc_pickle, type_name, text))
+
+
+def _from_fn(exc: BaseException) -> BaseException:
+    # The traceback starts in fn: the bootstrap's own frame is not the user's.
+    if exc.__traceback__ is not None and exc.__traceback__.tb_next is not None:
+        return exc.with_traceback(exc.__traceback__.tb_next)
+    return exc
 
 
 def _watch_progress(heartbeat: ChildEnd, stacks: ChildEnd) -> None:
@@ -312,29 +368,6 @@ def _kill_own_group() -> None:
     if os.getpgid(0) == os.getpid():
         os.killpg(0, signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _send_value(fd: int, value: Any) -> None:
-    try:
-        payload = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as exc:
-        error = TypeError(f"the value returned by the rank cannot be pickled: {exc}")
-        error.__cause__ = exc
-        _send_exception(fd, error)
-        raise SystemExit(1) from None
-    _send(fd, Kind.RETURNED, payload)
-
-
-def _send_exception(fd: int, exc: BaseException) -> None:
-    import traceback
-
-    text = "".join(traceback.format_exception(exc))
-    type_name = f"{type(exc).__module__}.{type(exc).__qualname__}"
-    try:
-        exc_pickle: bytes | None = pickle.dumps(exc, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception:
-        exc_pickle = None
-    _send(fd, Kind.RAISED, pickle.dumps((exc_pickle, type_name, text)))
 
 
 def _send(fd: int, kind: int, payload: bytes) -> None:
