@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-PUBLIC_MODULES = ["aiospawn", "aiospawn.sync"]
+PUBLIC_MODULES = ["aiospawn", "aiospawn.sync", "aiospawn.ray"]
 
 
 def public_module(name: str) -> types.ModuleType:

@@ -321,6 +321,7 @@ async def _start_group(
     check_seconds("startup_timeout", supervision.startup_timeout)
     if supervision.restart is not None and not isinstance(supervision.restart, RestartPolicy):
         raise TypeError(f"restart must be an aiospawn.RestartPolicy, got {supervision.restart!r}")
+    backend = options.get("backend") or LocalBackend()
     output = make_output_spec(
         options.get("stdout", "inherit"),
         options.get("stderr", "inherit"),
@@ -337,6 +338,7 @@ async def _start_group(
         output=output,
         torchrun_env=options.get("torchrun_env", False),
         heartbeats=supervision.watches_heartbeats,
+        # Other backends ship fn their own way (Ray: cloudpickle, by value).
+        check_importable=isinstance(backend, LocalBackend),
     )
-    backend = options.get("backend") or LocalBackend()
     return await AsyncProcessContext._start(spec, supervision, backend)

@@ -198,7 +198,7 @@ def exited_message(
         message = f"process {rank} terminated with signal {signal_name(exit_code)}"
         if killed_by_us:
             message += " (sent by aiospawn while shutting the group down)"
-        elif exit_code == -signal.SIGKILL:
+        elif exit_code == -signal.SIGKILL and not detail:  # the detail knows better
             message += (
                 " (aiospawn did not send it; the out-of-memory killer is the usual"
                 " cause: see `dmesg` or the container's memory limit)"

@@ -77,13 +77,15 @@ def make_spec(
     output: OutputSpec,
     torchrun_env: bool = False,
     heartbeats: bool = False,
+    check_importable: bool = True,
 ) -> LaunchSpec:
     """Check a group's arguments before anything starts, and resolve the start method.
 
     Raises:
         TypeError: ``fn`` is not callable, or cannot reach a ``spawn`` or
             ``forkserver`` child (a lambda, a local function, a function of an
-            interactive ``__main__``); ``args`` is not a sequence; ``env`` is
+            interactive ``__main__``; checked with ``check_importable`` only);
+            ``args`` is not a sequence; ``env`` is
             neither a mapping nor a callable.
         ValueError: ``nprocs`` is not a positive int within :func:`max_nprocs`,
             or ``start_method`` is unknown.
@@ -96,7 +98,7 @@ def make_spec(
         raise TypeError(f"env must be a mapping, a callable rank -> mapping, or None, got {env!r}")
     check_nprocs(nprocs)
     method = resolve_start_method(start_method)
-    if method != "fork":
+    if check_importable and method != "fork":
         _check_importable(fn, method)
     return LaunchSpec(
         fn=fn,

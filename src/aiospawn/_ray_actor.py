@@ -1,0 +1,136 @@
+"""What runs on the Ray cluster: one actor per rank, and a signal board per group.
+
+A rank is a plain (synchronous) Ray actor, so ``fn`` runs on the main thread
+of the actor's worker process, as it does in a local rank: it may install
+signal handlers, and ``SIGTERM`` gets its default action back before ``fn``
+runs (Ray's worker replaces it with one that raises ``SystemExit``).
+
+A plain actor answers one call at a time, so while ``fn`` runs it cannot take
+a "please stop" call. The group's :class:`SignalBoard` (a small asyncio actor,
+no CPU) carries signals instead: a thread in each rank waits on the board and
+delivers what arrives to its own process with ``os.kill``, and Python's (or
+the user's) handler runs as it would locally. ``SIGKILL`` never goes through
+the board: the supervisor uses ``ray.kill``. Ray kills an actor whose owner
+(the supervising process) dies, which is the cluster's parent-death guard.
+
+The outcome of ``fn`` is the same ``(kind, payload)`` frame a local rank
+sends (see ``_wire``), so the supervisor builds the same exceptions from it.
+
+Nothing here is imported by ``import aiospawn``; Ray is imported by the caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import pickle
+import signal
+import socket
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from ._child import Outcome, encode_exception
+from ._child import call as call_rank
+from ._wire import Kind
+
+
+class RankActor:
+    """The Ray actor that runs one attempt at one rank (decorated with ``ray.remote`` later)."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+
+    def describe(self) -> tuple[str, str, int]:
+        """``(node_id, node_address, pid)`` of the process that will run the rank."""
+        import ray
+
+        context = ray.get_runtime_context()
+        address: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+        return context.get_node_id(), address, os.getpid()
+
+    def free_port(self) -> int:
+        """A TCP port nothing listens on, on this node (for ``MASTER_PORT``)."""
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("", 0))
+            port: int = sock.getsockname()[1]
+            return port
+
+    def run(
+        self,
+        work: bytes,
+        rank: int,
+        env: Mapping[str, str],
+        restart: int,
+        board: Any,
+    ) -> Outcome:
+        """Run the rank's ``fn`` on this (main) thread and return its outcome.
+
+        Args:
+            work: ``(fn, args)``, pickled by the supervisor (with cloudpickle,
+                so ``fn`` may come from the driver's ``__main__``). Unpickled
+                only here, once ``env`` is set, so that ``fn``'s module sees
+                the rank's variables when it is imported, as under ``spawn``.
+            rank: The rank's index.
+            env: Variables to set first.
+            restart: The attempt's restart count.
+            board: The group's :class:`SignalBoard`.
+        """
+        from . import _child
+
+        os.environ.update(env)
+        _child._restart = restart  # what aiospawn.restart_count() answers in the rank
+        # Python's default action, as in a local rank: SIGTERM ends the process
+        # unless fn installs a handler of its own.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        threading.Thread(
+            target=self._take_signals,
+            args=(board, f"{rank}.{restart}"),
+            name="aiospawn-signals",
+            daemon=True,
+        ).start()
+        try:
+            try:
+                fn, args = pickle.loads(work)
+            except BaseException as exc:
+                error = RuntimeError(f"rank {rank} could not unpickle fn and args: {exc!r}")
+                error.__cause__ = exc
+                return Kind.RAISED, encode_exception(error), 1
+            return call_rank(fn, rank, args)
+        finally:
+            self._done.set()
+
+    def _take_signals(self, board: Any, key: str) -> None:
+        import ray
+
+        while True:
+            try:
+                signum = ray.get(board.next_signal.remote(key))
+            except Exception:  # the board is gone: the group is being torn down
+                return
+            if self._done.is_set():
+                return
+            with contextlib.suppress(OSError):
+                os.kill(os.getpid(), signum)
+
+
+class SignalBoard:
+    """Holds the signals sent to a group's ranks until each rank's thread takes them."""
+
+    def __init__(self) -> None:
+        self._queues: dict[str, asyncio.Queue[int]] = {}
+
+    def _queue(self, key: str) -> asyncio.Queue[int]:
+        return self._queues.setdefault(key, asyncio.Queue())
+
+    async def next_signal(self, key: str) -> int:
+        """Wait for the next signal sent to the attempt ``key`` (``"rank.restart"``)."""
+        return await self._queue(key).get()
+
+    async def send(self, key: str, signum: int) -> None:
+        """Send ``signum`` to the attempt ``key``."""
+        self._queue(key).put_nowait(signum)
+
+    async def ping(self) -> None:
+        """Answer once the board is up."""

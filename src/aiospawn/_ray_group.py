@@ -1,0 +1,399 @@
+"""A group's ranks as Ray actors: gang reservation, start, exit detection, stop.
+
+The supervisor side of ``aiospawn.ray.RayBackend``; the cluster side is
+``_ray_actor``. One group, from the supervisor's point of view::
+
+    open()   connect (once per process) ─► placement group, one bundle per rank,
+             reserved all at once or not at all (placement_timeout) ─► layout:
+             which node each rank runs on, local ranks, node ranks
+    start()  one actor per rank, pinned to its bundle ─► describe() (pid, node)
+             and rank 0's free port ─► run(fn, rank, args, env) submitted
+    wait()   the run() result is the rank's sentinel (``_ray_rank``), waited
+             on through its future (``_ray_bridge``), never a blocking ray.get
+    stop     SIGTERM and other signals through the group's SignalBoard;
+             SIGKILL is ray.kill
+    aclose() kill every actor and the board, remove the placement group
+
+Calls that talk to Ray's control service and may wait on it (creating the
+placement group and actors, ``ray.put``, removal) run on worker threads.
+Submitting an actor call or a kill only queues it (measured: 0.13 ms and
+0.03 ms median), so those run on the event loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from anyio.lowlevel import checkpoint
+
+from ._child import RESTART_COUNT_VAR
+from ._launch import LaunchSpec
+from ._ray_bridge import get
+from ._ray_rank import OnExit, RayRank
+from ._rendezvous import torchrun_environment
+
+#: A resource only Ray's head node has.
+HEAD_NODE_RESOURCE = "node:__internal_head__"
+
+#: Serialises ``ray.init``: two groups opening at once must not both connect.
+_connect_lock = threading.Lock()
+
+#: The Ray actor classes, made once per process (each ``ray.remote`` call
+#: would export the class to the cluster again).
+_actor_classes: dict[str, Any] = {}
+
+
+def _actor_class(name: str) -> Any:
+    import ray
+
+    from . import _ray_actor
+
+    if name not in _actor_classes:
+        _actor_classes[name] = ray.remote(getattr(_ray_actor, name))
+    return _actor_classes[name]
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """Where a rank runs, fixed for the life of the placement group.
+
+    Attributes:
+        bundle: The placement group bundle the rank's actors are pinned to.
+        node_id: Ray's id of the node holding the bundle.
+        address: That node's address.
+        local_rank: The rank's index among the group's ranks on that node.
+        local_world_size: How many of the group's ranks run on that node.
+        node_rank: The node's index among the group's nodes (rank 0's is 0).
+        nodes: How many nodes the group spans.
+    """
+
+    bundle: int
+    node_id: str
+    address: str
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    nodes: int
+
+
+def layout(bundle_nodes: Sequence[str], addresses: Mapping[str, str]) -> list[Slot]:
+    """Give rank ``r`` the ``r``-th bundle once bundles are grouped by node.
+
+    Nodes keep the order in which their first bundle appears, so bundle 0's
+    node hosts rank 0, and each node's ranks are consecutive, as torchrun
+    numbers them.
+    """
+    order: dict[str, list[int]] = {}
+    for bundle, node in enumerate(bundle_nodes):
+        order.setdefault(node, []).append(bundle)
+    slots = []
+    for node_rank, (node, bundles) in enumerate(order.items()):
+        for local_rank, bundle in enumerate(bundles):
+            slots.append(
+                Slot(
+                    bundle=bundle,
+                    node_id=node,
+                    address=addresses.get(node, "?"),
+                    local_rank=local_rank,
+                    local_world_size=len(bundles),
+                    node_rank=node_rank,
+                    nodes=len(order),
+                )
+            )
+    return slots
+
+
+class RayLauncher:
+    """Makes and starts the actors of one group (see ``_backend.GroupLauncher``)."""
+
+    def __init__(self, spec: LaunchSpec, options: Any) -> None:
+        import ray
+
+        self._ray = ray
+        self._spec = spec
+        self._options = options
+        self._name = f"aiospawn-{uuid.uuid4().hex[:12]}"
+        self._pg: Any = None
+        self._board: Any = None
+        self._slots: list[Slot] = []
+        self._actors: list[Any] = []  # every actor made, for aclose()
+        self._master_port: int | None = None
+        self._closed = False
+
+    @property
+    def ray(self) -> Any:
+        """The ``ray`` module (imported when the launcher is made)."""
+        return self._ray
+
+    @property
+    def slots(self) -> list[Slot]:
+        """Where each rank runs, index = rank."""
+        return self._slots
+
+    @property
+    def placement_group(self) -> Any:
+        """The group's Ray placement group."""
+        return self._pg
+
+    @classmethod
+    async def open(cls, spec: LaunchSpec, options: Any) -> RayLauncher:
+        """Connect, reserve every rank's resources at once, and learn the layout."""
+        await anyio.to_thread.run_sync(_connect, options.address)
+        self = cls(spec, options)
+        try:
+            await self._reserve()
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self.aclose()
+            raise
+        return self
+
+    async def _reserve(self) -> None:
+        ray = self._ray
+        options = self._options
+        nprocs = self._spec.nprocs
+
+        def create() -> None:
+            self._pg = ray.util.placement_group(
+                [dict(options.resources_per_rank) for _ in range(nprocs)],
+                strategy=options.placement,
+                name=self._name,
+            )
+            # On the head node, which holds Ray's control service: the board is
+            # lost only with the cluster, never in the loss of a rank's node.
+            # (Ray Train places its state actor the same way.)
+            board = _actor_class("SignalBoard").options(
+                num_cpus=0,
+                resources={HEAD_NODE_RESOURCE: 0.001},
+                name=f"{self._name}-signals",
+            )
+            self._board = board.remote()
+
+        await anyio.to_thread.run_sync(create)
+        await self._placed()
+
+    async def _placed(self) -> None:
+        """Wait until every bundle is placed; learn where (see :func:`layout`)."""
+        ray = self._ray
+        options = self._options
+        nprocs = self._spec.nprocs
+        with anyio.move_on_after(options.placement_timeout) as scope:
+            await get(self._pg.ready())
+        if scope.cancelled_caught:
+            available = await anyio.to_thread.run_sync(ray.available_resources)
+            raise TimeoutError(
+                f"Ray could not place {nprocs} ranks of {dict(options.resources_per_rank)!r}"
+                f" each with placement={options.placement!r} within"
+                f" placement_timeout={options.placement_timeout!r} s; the cluster has"
+                f" {_summary(available)} available. Add nodes, ask for fewer resources"
+                " per rank, or use a looser placement strategy"
+            )
+        self._slots = await anyio.to_thread.run_sync(self._learn_layout)
+
+    def _learn_layout(self) -> list[Slot]:
+        ray = self._ray
+        table = ray.util.placement_group_table(self._pg)
+        by_bundle = table["bundles_to_node_id"]
+        bundle_nodes = [by_bundle[index] for index in range(self._spec.nprocs)]
+        addresses = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
+        return layout(bundle_nodes, addresses)
+
+    def make_rank(self, index: int, restart: int, on_exit: OnExit) -> RayRank:
+        """Create, without starting, attempt number ``restart`` of rank ``index``."""
+        return RayRank(self, index, restart, on_exit)
+
+    async def start(self, ranks: Sequence[RayRank]) -> None:
+        """Start ``ranks`` together; return once each has been handed ``fn``.
+
+        Raises:
+            Exception: The start error of the lowest failing rank, with a note.
+        """
+        errors: dict[int, BaseException] = {}
+        try:
+            if self._master_port is None and len(ranks) == self._spec.nprocs and self._actors:
+                # A whole-group restart: Ray re-places the bundles of a lost node
+                # elsewhere, so the layout (and MASTER_ADDR) may have changed.
+                await self._placed()
+            await anyio.to_thread.run_sync(self._create_actors, ranks)
+            wants_port = self._spec.torchrun_env and self._master_port is None
+            first = next((rank for rank in ranks if rank.rank == 0), None)
+
+            async def describe(rank: RayRank) -> None:
+                try:
+                    rank.described(await get(rank.actor.describe.remote()))
+                except Exception as exc:
+                    errors[rank.rank] = exc
+
+            async def ask_port(rank: RayRank) -> None:
+                try:
+                    self._master_port = await get(rank.actor.free_port.remote())
+                except Exception as exc:
+                    errors[rank.rank] = exc
+
+            async with anyio.create_task_group() as tg:
+                for rank in ranks:
+                    tg.start_soon(describe, rank)
+                if wants_port and first is not None:
+                    tg.start_soon(ask_port, first)
+            if not errors:
+                work = await anyio.to_thread.run_sync(self._put_work)
+                for rank in ranks:
+                    rank.begin(work, self._environment(rank.rank, rank.restart), self._board)
+        finally:
+            unstarted = [rank for rank in ranks if not rank.started]
+            if unstarted:
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(_kill, [rank.actor for rank in unstarted])
+        if errors:
+            index = min(errors)
+            error = errors[index]
+            error.add_note(f"aiospawn: raised while starting rank {index} of {len(ranks)} on Ray")
+            raise error
+
+    def _put_work(self) -> Any:
+        # Pickled here, unpickled by each rank after its environment is set.
+        from ray import cloudpickle
+
+        payload: bytes = cloudpickle.dumps((self._spec.fn, self._spec.args))  # type: ignore[no-untyped-call]
+        return self._ray.put(payload)
+
+    def _create_actors(self, ranks: Sequence[RayRank]) -> None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        resources = dict(self._options.resources_per_rank)
+        standard = {
+            "num_cpus": resources.pop("CPU", 0),
+            "num_gpus": resources.pop("GPU", 0),
+        }
+        if "memory" in resources:
+            standard["memory"] = resources.pop("memory")
+        actor_class = _actor_class("RankActor")
+        runtime_env = self._options.runtime_env
+        for rank in ranks:
+            strategy = PlacementGroupSchedulingStrategy(
+                placement_group=self._pg,
+                placement_group_bundle_index=self._slots[rank.rank].bundle,
+            )
+            rank.actor = actor_class.options(
+                **standard,
+                resources=resources or None,
+                max_restarts=0,
+                max_task_retries=0,
+                name=f"{self._name}-rank{rank.rank}.{rank.restart}",
+                scheduling_strategy=strategy,
+                runtime_env=None if runtime_env is None else dict(runtime_env),
+            ).remote()
+            self._actors.append(rank.actor)
+
+    def _environment(self, index: int, restart: int) -> dict[str, str]:
+        spec = self._spec
+        env = {RESTART_COUNT_VAR: str(restart)}
+        if spec.torchrun_env:
+            assert self._master_port is not None
+            slot, master = self._slots[index], self._slots[0]
+            env.update(
+                torchrun_environment(
+                    index,
+                    spec.nprocs,
+                    restart,
+                    self._master_port,
+                    master_addr=master.address,
+                    local_rank=slot.local_rank,
+                    local_world_size=slot.local_world_size,
+                    group_rank=slot.node_rank,
+                    group_world_size=slot.nodes,
+                )
+            )
+        user = spec.env(index) if callable(spec.env) else spec.env
+        if user:
+            env.update({str(key): str(value) for key, value in user.items()})
+        return env
+
+    def new_rendezvous(self) -> None:
+        """Let the next whole-group start ask rank 0's node for a fresh ``MASTER_PORT``."""
+        self._master_port = None
+
+    def send(self, key: str, signum: int) -> None:
+        """Post ``signum`` for the rank attempt ``key`` on the board (does not wait)."""
+        self._board.send.remote(key, signum)
+
+    async def aclose(self) -> None:
+        """Kill every actor and the board, and remove the placement group. Idempotent."""
+        if self._closed:
+            await checkpoint()
+            return
+        self._closed = True
+        actors = [*self._actors, self._board]
+        pg, self._pg = self._pg, None
+
+        def release() -> None:
+            _kill(actors)
+            if pg is not None:
+                with contextlib.suppress(Exception):
+                    self._ray.util.remove_placement_group(pg)
+
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(release)
+
+
+def _kill(actors: Sequence[Any]) -> None:
+    import ray
+
+    for actor in actors:
+        if actor is not None:
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
+
+
+def _connect(address: str) -> None:
+    import ray
+
+    with _connect_lock:
+        if ray.is_initialized():
+            return
+        _init(ray, address)
+
+
+def _init(ray: Any, address: str) -> None:
+    try:
+        _probe(address)
+        ray.init(address=address)
+    except ConnectionError as exc:
+        raise ConnectionError(
+            f"aiospawn found no running Ray cluster at address={address!r}. RayBackend"
+            " connects to an existing cluster and never starts one: start it with"
+            " `ray start --head` on the head machine and `ray start --address=HEAD:6379`"
+            " on the others, then pass address='HEAD:6379' (or 'auto' on a cluster"
+            " machine). For a one-machine trial, `ray start --head` is enough."
+        ) from exc
+
+
+def _probe(address: str) -> None:
+    """Fail fast if nothing listens at a ``host:port`` address.
+
+    Ray keeps retrying an unreachable control service for minutes before it
+    gives up; a refused connection says at once that no cluster is there.
+    """
+    host, sep, port = address.rpartition(":")
+    if "://" in address or not sep or not port.isdigit():
+        return  # "auto", or a Ray Client address: Ray finds out quickly itself
+    try:
+        socket.create_connection((host, int(port)), timeout=10).close()
+    except OSError as exc:
+        raise ConnectionError(f"cannot reach {address}: {exc}") from exc
+
+
+def _summary(resources: Mapping[str, float]) -> str:
+    shown = {
+        key: value
+        for key, value in resources.items()
+        if not key.startswith("node:") and key != "object_store_memory"
+    }
+    return repr(shown) if shown else "nothing"

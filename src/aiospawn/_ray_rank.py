@@ -1,0 +1,220 @@
+"""One rank attempt run by a Ray actor: its sentinel, its stop signals, its exit.
+
+The actor's ``run()`` result is the rank's sentinel (see ``_ray_bridge``):
+one task waits on it, the others on an event, as ``LocalRank.wait`` does. How
+the call ended becomes the same :class:`~aiospawn._outcome.RankExit` a local
+rank makes: ``fn``'s own frame when it returned, raised or called
+``sys.exit()``; a worker process or node that died becomes an ``EXITED`` frame
+saying so, with Ray's account of it as the exit's note.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+import re
+import signal
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from anyio.lowlevel import checkpoint
+
+from ._outcome import RankExit
+from ._ray_bridge import wait_done
+from ._wire import Kind
+
+if TYPE_CHECKING:
+    from ._ray_group import RayLauncher
+
+OnExit = Callable[[RankExit], None]
+
+
+class RayRank:
+    """One attempt at one rank, run by a Ray actor (see ``_backend.RankHandle``)."""
+
+    def __init__(self, launcher: RayLauncher, index: int, restart: int, on_exit: OnExit) -> None:
+        self._launcher = launcher
+        self.rank = index
+        self.restart = restart
+        self._on_exit = on_exit
+        self._key = f"{index}.{restart}"
+        self.actor: Any = None
+        self._future: Future[Any] | None = None
+        self._pid: int | None = None
+        self._node: tuple[str, str] | None = None
+        self._exit: RankExit | None = None
+        self._stopped_by_us = False
+        self._last_signal: int | None = None
+        self._watcher_done: anyio.Event | None = None
+
+    @property
+    def started(self) -> bool:
+        """True once ``fn`` has been handed to the rank's actor."""
+        return self._future is not None
+
+    @property
+    def pid(self) -> int | None:
+        """The pid of the actor's worker process, on its node."""
+        return self._pid
+
+    @property
+    def process(self) -> None:
+        """There is no local process object."""
+        return None
+
+    @property
+    def node(self) -> tuple[str, str] | None:
+        """``(node_id, address)`` of the node the rank runs on, once started."""
+        return self._node
+
+    @property
+    def exit(self) -> RankExit | None:
+        """How the attempt ended, once its actor's ``run()`` has finished."""
+        return self._exit
+
+    def described(self, description: tuple[str, str, int]) -> None:
+        """Record what the actor told about itself before it runs ``fn``."""
+        node_id, address, pid = description
+        self._node, self._pid = (node_id, address), pid
+
+    def begin(self, work: Any, env: dict[str, str], board: Any) -> None:
+        """Submit ``run()``; its result is the rank's sentinel."""
+        ref = self.actor.run.remote(work, self.rank, env, self.restart, board)
+        self._future = ref.future()
+
+    def poll(self) -> RankExit | None:
+        """Return the exit if ``run()`` has finished, without waiting."""
+        if self._exit is None and self._future is not None and self._future.done():
+            self._finish(self._future)
+        return self._exit
+
+    async def wait(self) -> RankExit:
+        """Wait for the exit. Several tasks may call this at once; one watches."""
+        if self._future is None:
+            raise RuntimeError(f"rank {self.rank} has not been started")
+        while self.poll() is None:
+            if self._watcher_done is not None:
+                await self._watcher_done.wait()
+                continue
+            self._watcher_done = done = anyio.Event()
+            try:
+                await wait_done(self._future)
+            finally:
+                self._watcher_done = None
+                done.set()
+        await checkpoint()
+        assert self._exit is not None
+        return self._exit
+
+    def send_signal(self, signum: int) -> bool:
+        """``SIGKILL``: ``ray.kill`` the actor; other signals go to the rank's process.
+
+        Returns False, and does nothing, if the rank is not running.
+        """
+        if not self.started or self.poll() is not None:
+            return False
+        self._stopped_by_us = True
+        self._last_signal = signum
+        if signum == signal.SIGKILL:
+            self._launcher.ray.kill(self.actor, no_restart=True)
+        else:
+            self._launcher.send(self._key, signum)
+        return True
+
+    def last_beat(self) -> float | None:
+        """Heartbeats do not cross machines: always None."""
+        return None
+
+    # The RankHandle protocol's signature; the timeout is the caller's bound.
+    async def stack(self, timeout: float) -> str | None:  # noqa: ASYNC109
+        """Stacks are not collected from Ray ranks: always None."""
+        await checkpoint()
+        return None
+
+    def _finish(self, future: Future[Any]) -> None:
+        ray = self._launcher.ray
+        pid = self._pid if self._pid is not None else 0
+        where = self._where()
+        frame: tuple[int, bytes] | None
+        try:
+            kind, payload, exit_code = future.result()
+            frame = (kind, payload)
+            note = None if kind == Kind.RETURNED else f"the rank ran {where}"
+        except ray.exceptions.RayActorError as exc:
+            exit_code = self._death_code(exc)
+            frame = self._death_frame(exc, exit_code)
+            note = self._death_note(exc, where)
+        except ray.exceptions.RayTaskError as exc:
+            # Raised outside fn: the arguments could not be unpickled there, say.
+            frame = (Kind.RAISED, _raised_payload(exc.cause or exc, str(exc)))
+            exit_code = 1
+            note = f"the rank ran {where}"
+        except Exception as exc:  # another Ray error: the object was lost, say
+            frame = (Kind.RAISED, _raised_payload(exc, f"{type(exc).__name__}: {exc}\n"))
+            exit_code = 1
+            note = f"the rank ran {where}"
+        self._exit = RankExit(
+            rank=self.rank,
+            pid=pid,
+            exit_code=exit_code,
+            frame=frame,
+            stopped_by_us=self._stopped_by_us,
+            note=note,
+        )
+        # The rank is over; its worker process and resources go back to Ray,
+        # as a local rank's process exits. (Submits the kill; does not wait.)
+        with contextlib.suppress(Exception):
+            ray.kill(self.actor, no_restart=True)
+        self._on_exit(self._exit)
+
+    def _where(self) -> str:
+        if self._node is None:
+            return "on Ray"
+        node_id, address = self._node
+        return f"on Ray node {address} (node id {node_id[:12]}, worker pid {self._pid})"
+
+    def _death_code(self, exc: BaseException) -> int:
+        if self._stopped_by_us and self._last_signal is not None:
+            return -self._last_signal
+        match = re.search(r"exits with an exit code (\d+)", str(exc))
+        if match:
+            return int(match.group(1))
+        # Ray does not report how a worker process died abruptly (its own text
+        # lists the out-of-memory killer, SIGSEGV and `ray stop --force`).
+        return -signal.SIGKILL
+
+    def _death_frame(self, exc: BaseException, exit_code: int) -> tuple[int, bytes] | None:
+        """Say what Ray knows of a death we did not cause, as a sys.exit() text would."""
+        if self._stopped_by_us:
+            return None
+        if _node_died(exc):
+            detail = "its Ray node died or was lost (Ray's health checks failed)"
+        elif exit_code == -signal.SIGKILL:
+            detail = (
+                "its Ray worker process died, and Ray does not report how; SIGKILL"
+                " stands in for its exit status"
+            )
+        else:
+            detail = "its Ray worker process exited"
+        return Kind.EXITED, pickle.dumps((exit_code, detail))
+
+    def _death_note(self, exc: BaseException, where: str) -> str:
+        if self._stopped_by_us:
+            return f"the rank ran {where}"
+        return f"the rank ran {where}. Ray says:\n{str(exc).strip()}"
+
+
+def _node_died(exc: BaseException) -> bool:
+    text = str(exc)
+    return "node has died" in text or "node died" in text or "node was" in text
+
+
+def _raised_payload(exc: BaseException, text: str) -> bytes:
+    type_name = f"{type(exc).__module__}.{type(exc).__qualname__}"
+    try:
+        exc_pickle: bytes | None = pickle.dumps(exc, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:
+        exc_pickle = None
+    return pickle.dumps((exc_pickle, type_name, text))

@@ -1,0 +1,105 @@
+"""Rank functions for the Ray backend's tests and benchmark (imported by the ranks).
+
+Standard library only at the top: the benchmark runs them as local ranks too,
+which must not pay for importing Ray.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from typing import Any
+
+
+def square(rank: int, base: int = 0) -> int:
+    return base + rank * rank
+
+
+def environment(rank: int, names: tuple[str, ...]) -> dict[str, Any]:
+    """What the rank sees: the named variables, its node and pid."""
+    import ray
+
+    return {
+        "env": {name: os.environ.get(name) for name in names},
+        "node_id": ray.get_runtime_context().get_node_id(),
+        "pid": os.getpid(),
+    }
+
+
+def fail_rank(rank: int, bad: int) -> None:
+    """Rank ``bad`` raises at once; the others wait to be stopped."""
+    if rank == bad:
+        raise ValueError(f"bad shard {rank}")
+    time.sleep(600)
+
+
+def exit_with(rank: int, code: int) -> None:
+    """Every rank calls sys.exit(code)."""
+    raise SystemExit(code)
+
+
+def report_ready(rank: int, port: int) -> None:
+    """Tell the test (listening on ``port`` on this machine) that ``rank`` is running."""
+    with socket.create_connection(("127.0.0.1", port)) as connection:
+        connection.sendall(b"%d\n" % rank)
+
+
+def sleep_forever(rank: int, port: int) -> None:
+    """Report (unless ``port`` is 0), then sleep until stopped."""
+    if port:
+        report_ready(rank, port)
+    time.sleep(600)
+
+
+def ignore_sigterm(rank: int, port: int) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    report_ready(rank, port)
+    time.sleep(600)
+
+
+def flaky(rank: int, hold: bool) -> tuple[int, int]:
+    """Rank 1 fails in its first attempt; every attempt returns (rank, restart).
+
+    With ``hold``, rank 0's first attempt runs until it is stopped.
+    """
+    import aiospawn
+
+    restart = aiospawn.restart_count()
+    if rank == 1 and restart == 0:
+        raise RuntimeError("first attempt fails")
+    if hold and rank == 0 and restart == 0:
+        time.sleep(600)
+    return rank, restart
+
+
+def handle_sigterm(rank: int, port: int) -> None:
+    """Turn SIGTERM into SystemExit(7), as a rank with cleanup to do would."""
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(7)
+
+    signal.signal(signal.SIGTERM, stop)
+    report_ready(rank, port)
+    time.sleep(600)
+
+
+def entry_stamp(rank: int) -> float:
+    """``time.monotonic()`` at the rank's entry (system-wide on Linux)."""
+    return time.monotonic()
+
+
+def stamp_and_fail(rank: int, bad: int, port: int | None = None) -> None:
+    """Rank ``bad`` raises at once, carrying the monotonic time it raised at."""
+    if rank == bad:
+        raise ValueError(time.monotonic())
+    time.sleep(600)
+
+
+def imported_with(rank: int, name: str) -> str | None:
+    """The value ``name`` had in the environment when this module was imported."""
+    return _AT_IMPORT.get(name)
+
+
+_AT_IMPORT = dict(os.environ)

@@ -1,0 +1,515 @@
+"""The Ray backend on a real two-node Ray cluster started on this machine.
+
+One cluster serves the whole module (see ``tests/ray_cluster.py`` for how
+it is started, why its processes are not children of the test process, and
+its fast node health checks). After every test, Ray's control service must
+show no actor and no placement group of ours still alive, and every rank's
+worker process must be gone from the machine.
+
+Ray's HTTP state API (``ray.util.state``) needs the dashboard and
+``ray[default]``; the same facts come from the control service directly:
+``ray.util.list_named_actors`` (every actor aiospawn makes is named
+``aiospawn-...``) and ``ray.util.placement_group_table``.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+
+import anyio
+import anyio.abc
+import psutil
+import pytest
+
+import aiospawn
+from aiospawn import ProcessExitedException, ProcessRaisedException
+from tests import ray_ranks
+from tests.conftest import wait_until
+from tests.helpers import tripwire
+
+ray = pytest.importorskip("ray")
+
+from aiospawn.ray import RayBackend  # noqa: E402  (after the skip: needs ray)
+from tests.ray_cluster import LocalCluster, free_port  # noqa: E402
+
+pytestmark = [pytest.mark.ray, pytest.mark.anyio]
+
+TORCHRUN = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[LocalCluster]:
+    # Module scope: the tests that follow in the same run fork and spawn local
+    # ranks, which should not inherit a live Ray connection and its threads.
+    cluster = LocalCluster.start()
+    try:
+        # Connected once, before any test's leak baseline: the driver's own
+        # threads and descriptors belong to the session, not to a test.
+        previous = signal.getsignal(signal.SIGTERM)
+        ray.init(address=cluster.address, logging_level="WARNING")
+        signal.signal(signal.SIGTERM, previous)  # ray.init makes SIGTERM exit the process
+        backend = RayBackend(address=cluster.address)
+        # Ray exports the actor classes on first use.
+        assert anyio.run(lambda: aiospawn.spawn(ray_ranks.square, nprocs=2, backend=backend)) == [
+            0,
+            1,
+        ]
+        yield cluster
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        cluster.stop()
+
+
+def ours_alive() -> tuple[list[str], list[str]]:
+    """Our actors and placement groups that Ray does not yet show as gone."""
+    actors = [
+        entry["name"]
+        for entry in ray.util.list_named_actors(all_namespaces=True)
+        if entry["name"].startswith("aiospawn-")
+    ]
+    groups = [
+        info["name"]
+        for info in ray.util.placement_group_table().values()
+        if info["name"].startswith("aiospawn-") and info["state"] != "REMOVED"
+    ]
+    return actors, groups
+
+
+@pytest.fixture
+def cluster(ray_cluster: LocalCluster) -> Iterator[LocalCluster]:
+    """The session's cluster with both nodes up; checked for leftovers afterwards."""
+    assert len([node for node in ray.nodes() if node["Alive"]]) == 2
+    yield ray_cluster
+    assert wait_until(lambda: ours_alive() == ([], []), 10), f"left on the cluster: {ours_alive()}"
+
+
+def backend_for(cluster: LocalCluster, **options: object) -> RayBackend:
+    return RayBackend(address=cluster.address, **options)  # type: ignore[arg-type]
+
+
+class Ready:
+    """The ranks' handshake: each connects to ``port`` and sends its rank once running."""
+
+    def __init__(self, listener: anyio.abc.SocketListener) -> None:
+        self._listener = listener
+        self.port: int = listener.extra(anyio.abc.SocketAttribute.local_port)
+
+    async def wait(self, nprocs: int) -> set[int]:
+        """Wait until ``nprocs`` ranks have reported; return their ranks."""
+        ranks = set()
+        with tripwire(60, f"{nprocs} ranks reporting ready"):
+            for _ in range(nprocs):
+                async with await self._listener.accept() as stream:
+                    ranks.add(int(await stream.receive()))
+        return ranks
+
+
+@asynccontextmanager
+async def ready_channel() -> AsyncIterator[Ready]:
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    async with listener:
+        (inner,) = listener.listeners
+        assert isinstance(inner, anyio.abc.SocketListener)
+        yield Ready(inner)
+
+
+def assert_gone(pids: list[int]) -> None:
+    assert wait_until(lambda: not any(psutil.pid_exists(pid) for pid in pids), 10), pids
+
+
+async def test_results_and_torchrun_environment_across_nodes(cluster: LocalCluster) -> None:
+    backend = backend_for(cluster, placement="SPREAD")
+    with tripwire(60, "a 4-rank group on two nodes"):
+        results = await aiospawn.spawn(
+            ray_ranks.environment, args=(TORCHRUN,), nprocs=4, backend=backend, torchrun_env=True
+        )
+    nodes = [result["node_id"] for result in results]
+    assert len(set(nodes)) == 2, "SPREAD placed every rank on one node"
+    envs = [result["env"] for result in results]
+    assert [env["RANK"] for env in envs] == ["0", "1", "2", "3"]
+    assert {env["WORLD_SIZE"] for env in envs} == {"4"}
+    assert len({(env["MASTER_ADDR"], env["MASTER_PORT"]) for env in envs}) == 1
+    assert int(envs[0]["MASTER_PORT"]) > 0
+    # Ranks on one node are consecutive, and numbered 0.. on each node.
+    for node in set(nodes):
+        mine = [index for index, each in enumerate(nodes) if each == node]
+        assert mine == list(range(mine[0], mine[0] + len(mine)))
+        assert [envs[index]["LOCAL_RANK"] for index in mine] == [str(i) for i in range(len(mine))]
+        assert {envs[index]["LOCAL_WORLD_SIZE"] for index in mine} == {str(len(mine))}
+    assert {env["GROUP_RANK"] for env in envs} == {"0", "1"}
+    assert envs[0]["GROUP_RANK"] == "0"
+    assert_gone([result["pid"] for result in results])
+
+
+async def test_environment_is_set_before_fn_is_imported(cluster: LocalCluster) -> None:
+    results = await aiospawn.spawn(
+        ray_ranks.imported_with,
+        args=("SHARD",),
+        nprocs=2,
+        backend=backend_for(cluster),
+        env=lambda rank: {"SHARD": f"s{rank}"},
+    )
+    assert results == ["s0", "s1"]
+
+
+async def test_runtime_env_reaches_the_ranks(cluster: LocalCluster) -> None:
+    backend = backend_for(cluster, runtime_env={"env_vars": {"FROM_RUNTIME_ENV": "yes"}})
+    results = await aiospawn.spawn(
+        ray_ranks.imported_with, args=("FROM_RUNTIME_ENV",), nprocs=2, backend=backend
+    )
+    assert results == ["yes", "yes"]
+
+
+async def test_raised_exception_is_unwrapped_and_siblings_stopped(cluster: LocalCluster) -> None:
+    backend = backend_for(cluster, placement="SPREAD")
+    ctx = await aiospawn.start_processes(
+        ray_ranks.fail_rank, args=(2,), nprocs=4, join=False, backend=backend, grace_period=1
+    )
+    pids = ctx.pids()
+    with tripwire(60, "fail-fast of a Ray group"), pytest.raises(ProcessRaisedException) as info:
+        await ctx.join()
+    error = info.value
+    assert error.error_index == 2
+    assert type(error.__cause__) is ValueError
+    assert error.__cause__.args == ("bad shard 2",)
+    assert "-- Process 2 terminated with the following error:" in str(error)
+    assert any("on Ray node" in note for note in error.__notes__)
+    assert_gone(pids)
+    # Idempotent: the same failure again, never a rank we stopped.
+    with pytest.raises(ProcessRaisedException) as again:
+        await ctx.join()
+    assert again.value.error_index == 2
+
+
+async def test_sys_exit_code_is_reported(cluster: LocalCluster) -> None:
+    with tripwire(60, "a Ray group exiting"), pytest.raises(ProcessExitedException) as info:
+        await aiospawn.spawn(ray_ranks.exit_with, args=(3,), nprocs=2, backend=backend_for(cluster))
+    assert info.value.exit_code == 3
+    assert info.value.error_index in (0, 1)
+
+
+async def test_killed_worker_process_is_reported_with_its_node(cluster: LocalCluster) -> None:
+    async with ready_channel() as ready:
+        ctx = await aiospawn.start_processes(
+            ray_ranks.sleep_forever,
+            args=(ready.port,),
+            nprocs=3,
+            join=False,
+            backend=backend_for(cluster),
+            grace_period=1,
+        )
+        await ready.wait(3)
+    pids = ctx.pids()
+    psutil.Process(pids[1]).kill()
+    with (
+        tripwire(60, "a Ray group whose rank was killed"),
+        pytest.raises(ProcessExitedException) as info,
+    ):
+        await ctx.join()
+    error = info.value
+    assert (error.error_index, error.error_pid) == (1, pids[1])
+    assert error.signal_name == "SIGKILL"
+    notes = "\n".join(error.__notes__)
+    addresses = {node["NodeManagerAddress"] for node in ray.nodes()}
+    assert any(f"on Ray node {address} " in notes for address in addresses), notes
+    assert "worker process has died" in notes
+    assert_gone(pids)
+
+
+async def test_terminate_escalates_from_sigterm_to_ray_kill(cluster: LocalCluster) -> None:
+    async with ready_channel() as ready:
+        ctx = await aiospawn.start_processes(
+            ray_ranks.ignore_sigterm,
+            args=(ready.port,),
+            nprocs=2,
+            join=False,
+            backend=backend_for(cluster),
+        )
+        await ready.wait(2)
+    pids = ctx.pids()
+    assert await ctx.join(timeout=0) is False
+    with tripwire(60, "terminate() of a Ray group"):
+        await ctx.terminate(grace_period=1)
+    with pytest.raises(ProcessExitedException) as info:
+        await ctx.join()
+    assert info.value.error_index == 0
+    assert info.value.signal_name == "SIGKILL"
+    assert "sent by aiospawn" in str(info.value)
+    assert_gone(pids)
+
+
+async def test_sigterm_runs_the_ranks_own_handler(cluster: LocalCluster) -> None:
+    async with ready_channel() as ready:
+        ctx = await aiospawn.start_processes(
+            ray_ranks.handle_sigterm,
+            args=(ready.port,),
+            nprocs=2,
+            join=False,
+            backend=backend_for(cluster),
+        )
+        await ready.wait(2)  # the handlers are installed
+    with tripwire(60, "terminate() of a Ray group"):
+        await ctx.terminate(grace_period=30)
+    with pytest.raises(ProcessExitedException) as info:
+        await ctx.join()
+    assert info.value.exit_code == 7
+
+
+async def test_cancellation_stops_the_group(cluster: LocalCluster) -> None:
+    backend = backend_for(cluster, placement="SPREAD")
+    async with ready_channel() as ready:
+        ctx = await aiospawn.start_processes(
+            ray_ranks.sleep_forever,
+            args=(ready.port,),
+            nprocs=4,
+            join=False,
+            backend=backend,
+            grace_period=2,
+        )
+        pids = ctx.pids()
+        with tripwire(60, "cancelling a Ray group's join"):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(ctx.join)
+                await ready.wait(4)
+                await anyio.wait_all_tasks_blocked()
+                tg.cancel_scope.cancel()
+    assert_gone(pids)
+    with pytest.raises(ProcessExitedException) as info:
+        await ctx.join()
+    assert info.value.signal_name == "SIGTERM"
+
+
+async def test_open_group_block_is_cancelled_by_a_failing_rank(cluster: LocalCluster) -> None:
+    with (
+        tripwire(60, "an async with block over a Ray group"),
+        pytest.raises(ProcessRaisedException) as info,
+    ):
+        async with aiospawn.open_group(
+            ray_ranks.fail_rank, args=(1,), nprocs=2, backend=backend_for(cluster), grace_period=0.5
+        ):
+            await anyio.sleep(120)
+    assert isinstance(info.value.__cause__, ValueError)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "expected"),
+    [("one_for_one", [(0, 0), (1, 1)]), ("one_for_all", [(0, 1), (1, 1)])],
+)
+async def test_restart_policy_on_ray(
+    cluster: LocalCluster, strategy: str, expected: list[tuple[int, int]]
+) -> None:
+    policy = aiospawn.RestartPolicy(
+        max_restarts=1,
+        strategy=strategy,  # type: ignore[arg-type]
+        backoff=aiospawn.Backoff(initial=0),
+    )
+    with tripwire(60, "a Ray group restarting"):
+        results = await aiospawn.spawn(
+            ray_ranks.flaky,
+            args=(strategy == "one_for_all",),
+            nprocs=2,
+            backend=backend_for(cluster),
+            restart=policy,
+            grace_period=1,
+            torchrun_env=True,
+        )
+    assert results == expected
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_unplaceable_group_times_out_and_releases(
+    cluster: LocalCluster, anyio_backend: str
+) -> None:
+    backend = backend_for(cluster, placement="STRICT_SPREAD", placement_timeout=2)
+    with tripwire(60, "an unplaceable Ray group"), pytest.raises(TimeoutError) as info:
+        await aiospawn.spawn(ray_ranks.square, nprocs=3, backend=backend)
+    message = str(info.value)
+    assert "could not place 3 ranks" in message
+    assert "STRICT_SPREAD" in message
+
+
+async def test_cancellation_while_placing_releases_the_reservation(cluster: LocalCluster) -> None:
+    backend = backend_for(cluster, placement="STRICT_SPREAD", placement_timeout=600)
+    with tripwire(60, "cancelling a Ray group waiting for placement"):
+        with anyio.move_on_after(1) as scope:  # the group can never be placed
+            await aiospawn.spawn(ray_ranks.square, nprocs=3, backend=backend)
+    assert scope.cancelled_caught
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_node_loss_fails_the_group(cluster: LocalCluster, anyio_backend: str) -> None:
+    # One rank per node; the worker node's rank needs its resource.
+    backend = backend_for(cluster, placement="STRICT_SPREAD")
+    async with ready_channel() as ready:
+        ctx = await aiospawn.start_processes(
+            ray_ranks.sleep_forever,
+            args=(ready.port,),
+            nprocs=2,
+            join=False,
+            backend=backend,
+            grace_period=2,
+        )
+        await ready.wait(2)
+    pids = ctx.pids()
+    worker = next(node for node in cluster.nodes if node.tag == "node2")
+    on_worker = {process.pid for process in worker.processes()}
+    lost = next(rank for rank, pid in enumerate(pids) if pid in on_worker)
+    try:
+        cluster.kill_node(worker)
+        with (
+            tripwire(60, "a Ray group losing a node"),
+            pytest.raises(ProcessExitedException) as info,
+        ):
+            await ctx.join()
+    finally:
+        cluster.add_worker_node()
+        assert cluster.wait_for_nodes(2)
+    assert info.value.error_index == lost
+    assert info.value.error_pid == pids[lost]
+    assert "its Ray node died" in str(info.value)
+    assert "Ray says" in "\n".join(info.value.__notes__)
+    assert_gone(pids)
+    assert cluster.wait_for_nodes(2)
+
+
+def test_output_other_than_inherit_is_refused(ray_cluster: LocalCluster) -> None:
+    backend = RayBackend(address=ray_cluster.address)
+    with pytest.raises(ValueError, match="inherit"):
+        anyio.run(
+            lambda: aiospawn.spawn(ray_ranks.square, nprocs=1, backend=backend, stdout="capture")
+        )
+
+
+def test_backend_arguments_are_checked() -> None:
+    with pytest.raises(ValueError, match="placement"):
+        RayBackend(placement="DIAGONAL")
+    with pytest.raises(ValueError, match="resources_per_rank"):
+        RayBackend(resources_per_rank={"CPU": -1})
+    with pytest.raises(ValueError, match="placement_timeout"):
+        RayBackend(placement_timeout=0)
+
+
+def test_no_cluster_is_a_clear_error_and_none_is_started() -> None:
+    # A fresh interpreter (this one is connected already), pointed at a port
+    # where nothing listens.
+    script = textwrap.dedent(
+        f"""
+        import anyio, aiospawn, ray
+        from aiospawn.ray import RayBackend
+        from tests import ray_ranks
+        backend = RayBackend(address="127.0.0.1:{free_port()}")
+        try:
+            anyio.run(lambda: aiospawn.spawn(ray_ranks.square, backend=backend))
+        except ConnectionError as exc:
+            print("ConnectionError:", exc)
+        print("initialized:", ray.is_initialized())
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert "ConnectionError:" in done.stdout, done.stderr
+    assert "ray start --head" in done.stdout
+    assert "initialized: False" in done.stdout
+
+
+def run_python(code: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return done.stdout
+
+
+def test_importing_aiospawn_never_imports_ray() -> None:
+    out = run_python(
+        """
+        import sys
+        import aiospawn, aiospawn.ray
+        aiospawn.spawn, aiospawn.open_group  # the lazily loaded names too
+        print("ray" in sys.modules)
+        """
+    )
+    assert out.strip() == "False"
+
+
+def test_without_ray_the_backend_names_the_extra() -> None:
+    out = run_python(
+        """
+        import sys
+        sys.modules["ray"] = None  # as if it were not installed
+        import aiospawn.ray
+        try:
+            aiospawn.ray.RayBackend()
+        except ImportError as exc:
+            print(exc)
+        """
+    )
+    assert 'pip install "aiospawn[ray]"' in out
+
+
+def test_supervisor_death_leaves_nothing_on_the_cluster(ray_cluster: LocalCluster) -> None:
+    # A supervisor in a process of its own starts a group, then is SIGKILLed:
+    # Ray ends the actors of a dead owner and the placement groups of a dead job.
+    script = textwrap.dedent(
+        f"""
+        import anyio, aiospawn
+        from aiospawn.ray import RayBackend
+        from tests import ray_ranks
+
+        async def main():
+            backend = RayBackend(address="{ray_cluster.address}")
+            ctx = await aiospawn.start_processes(
+                ray_ranks.sleep_forever, args=(0,), nprocs=2, join=False, backend=backend
+            )
+            print(*ctx.pids(), flush=True)
+            await anyio.sleep_forever()
+
+        anyio.run(main)
+        """
+    )
+    supervisor = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+    )
+    try:
+        assert supervisor.stdout is not None
+        pids = [int(pid) for pid in supervisor.stdout.readline().split()]
+        assert len(pids) == 2, "the supervisor did not start its group"
+        assert ours_alive() != ([], [])
+    finally:
+        supervisor.kill()
+        supervisor.wait()
+        if supervisor.stdout is not None:
+            supervisor.stdout.close()
+    assert wait_until(lambda: ours_alive() == ([], []), 30), f"left: {ours_alive()}"
+    assert_gone(pids)
+
+
+def test_layout_numbers_ranks_node_by_node() -> None:
+    from aiospawn._ray_group import layout
+
+    slots = layout(["b", "a", "b", "a", "c"], {"a": "10.0.0.1", "b": "10.0.0.2", "c": "10.0.0.3"})
+    # Rank 0 keeps bundle 0's node; each node's ranks are consecutive.
+    assert [slot.bundle for slot in slots] == [0, 2, 1, 3, 4]
+    assert [slot.address for slot in slots] == ["10.0.0.2"] * 2 + ["10.0.0.1"] * 2 + ["10.0.0.3"]
+    assert [slot.local_rank for slot in slots] == [0, 1, 0, 1, 0]
+    assert [slot.local_world_size for slot in slots] == [2, 2, 2, 2, 1]
+    assert [slot.node_rank for slot in slots] == [0, 0, 1, 1, 2]
+    assert {slot.nodes for slot in slots} == {3}
