@@ -127,8 +127,7 @@ class RayRank:
         """Heartbeats do not cross machines: always None."""
         return None
 
-    # The RankHandle protocol's signature; the timeout is the caller's bound.
-    async def stack(self, timeout: float) -> str | None:  # noqa: ASYNC109
+    async def stack(self, patience: float) -> str | None:
         """Stacks are not collected from Ray ranks: always None."""
         await checkpoint()
         return None
