@@ -68,6 +68,10 @@ def make_rng(name: str) -> random.Random:
 # --- observation helpers -----------------------------------------------------
 
 
+#: Where aiospawn's own modules are (not any path that happens to contain "aiospawn").
+PACKAGE_DIR = os.path.dirname(aiospawn.__file__) + os.sep
+
+
 def our_threads_blocked() -> list[str]:
     """Threads (other than this one) that are inside aiospawn or a multiprocessing wait."""
     blocked = []
@@ -80,8 +84,8 @@ def our_threads_blocked() -> list[str]:
             stack.append(current.f_code)
             current = current.f_back
         for code in stack:
-            path = code.co_filename.replace(os.sep, "/")
-            ours = "/aiospawn/" in path
+            path = code.co_filename
+            ours = path.startswith(PACKAGE_DIR)
             mp_wait = "/multiprocessing/" in path and code.co_name in ("join", "wait", "poll")
             if ours or mp_wait:
                 blocked.append(f"thread {ident}: {path}:{code.co_name}")
@@ -358,10 +362,10 @@ async def test_cancellation_storm_leaves_nothing_behind(
 
 
 def test_the_blocked_thread_detector_sees_a_thread_in_our_code() -> None:
-    # A function whose code claims to live in aiospawn/_watch.py, parked on an event.
+    # A function whose code claims to live in aiospawn's _watch.py, parked on an event.
     namespace: dict[str, Any] = {}
     source = "def park(event):\n    event.wait()\n"
-    exec(compile(source, "/somewhere/aiospawn/_watch.py", "exec"), namespace)
+    exec(compile(source, os.path.join(PACKAGE_DIR, "_watch.py"), "exec"), namespace)
     release = threading.Event()
     thread = threading.Thread(target=namespace["park"], args=(release,))
     thread.start()

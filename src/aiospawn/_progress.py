@@ -19,9 +19,13 @@ import signal
 
 import anyio
 
+from . import _child
 from ._child import BEAT_BYTES, STACK_SIGNAL
 from ._pipes import close_watched, rank_pipe
 from ._wire import ChildEnd
+
+#: The rank bootstrap's file, as faulthandler names it in a frame.
+_BOOTSTRAP = _child.__file__
 
 #: A stack dump is complete once the pipe has been quiet this long.
 _DUMP_QUIET = 0.1
@@ -116,7 +120,7 @@ def _tidy(dump: str) -> str:
             continue
         lines = thread.splitlines()
         for index, line in enumerate(lines):
-            if line.endswith(" in run_rank") and "aiospawn" in line:
+            if line.endswith(" in run_rank") and f'"{_BOOTSTRAP}"' in line:
                 lines = lines[:index]
                 break
         threads.append("\n".join(lines))
