@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import sys
 import time
 from typing import Any
 
@@ -103,3 +104,29 @@ def return_quickly(rank: int) -> int:
 def print_then_fail(rank: int) -> None:
     print(f"rank {rank} run {aiospawn.restart_count()}", flush=True)
     raise ValueError("fails")
+
+
+def beat_until_sigterm(rank: int) -> None:
+    """Beat until SIGTERM; then take a second (beating no more) and exit with 0."""
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        time.sleep(1)
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    while True:
+        aiospawn.heartbeat()
+        time.sleep(0.01)
+
+
+class EnvOnce:
+    """An env callable that works for the group's first start only, as if devices ran out."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, rank: int) -> dict[str, str]:
+        self.calls += 1
+        if self.calls > 1:
+            raise OSError("no more devices")
+        return {}

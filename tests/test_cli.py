@@ -490,12 +490,13 @@ def test_max_restarts_starts_every_rank_again_with_a_fresh_port() -> None:
     result = run("run", "-n", "2", "--max-restarts", "1", program("fail_first_run.py"))
     assert result.returncode == 0, result.stderr
     runs = [json.loads(line.split(": ", 1)[1]) for line in result.stdout.splitlines()]
-    assert sorted((run["rank"], run["restart"]) for run in runs) == [
-        ("0", "0"),
-        ("0", "1"),
-        ("1", "0"),
-        ("1", "1"),
-    ]
+    seen = {(run["rank"], run["restart"]) for run in runs}
+    # Rank 0's first run may be stopped before it prints: rank 1 fails at once.
+    assert (
+        {("1", "0"), ("0", "1"), ("1", "1")}
+        <= seen
+        <= {("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")}
+    )
     ports = {run["restart"]: run["port"] for run in runs}
     assert ports["0"] != ports["1"]
 

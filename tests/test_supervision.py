@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import pickle
+import subprocess
+import sys
+import tempfile
 from contextlib import aclosing
 from typing import Any
 
@@ -11,7 +15,7 @@ import pytest
 
 import aiospawn
 from aiospawn._events import EventLog
-from tests import env_probe_module, ranks, supervision_ranks
+from tests import env_probe_module, ranks, slow_import_module, supervision_ranks
 from tests.helpers import Events, receive, tripwire
 
 pytestmark = pytest.mark.anyio
@@ -311,6 +315,138 @@ async def test_a_hung_rank_is_restarted_by_the_policy() -> None:
         "Exited",
         "Stopped",
     ]
+
+
+async def test_a_rank_still_importing_is_not_sent_the_stack_signal() -> None:
+    # fn's module takes 1 s to import (spawn); the startup timeout is shorter,
+    # so the rank is found hung before it can answer: the stack request would
+    # have ended it with SIGRTMIN+3. It is stopped by our SIGTERM instead.
+    ctx = await aiospawn.start_processes(
+        slow_import_module.payload_size, (b"",), nprocs=1, join=False, startup_timeout=0.3
+    )
+    with (
+        tripwire(30, "a hung rank still importing"),
+        pytest.raises(aiospawn.ProcessHungException, match="had not finished importing") as caught,
+    ):
+        await ctx.join()
+    assert caught.value.stack is None
+    exited = [event for event in await collect(ctx) if isinstance(event, aiospawn.Exited)]
+    assert [(event.signal_name, event.stopped_by_us) for event in exited] == [("SIGTERM", True)]
+
+
+async def test_join_timeouts_while_a_stack_is_taken_still_find_the_hang() -> None:
+    ctx = await aiospawn.start_processes(
+        supervision_ranks.beat_then,
+        ("blocked",),
+        nprocs=1,
+        join=False,
+        heartbeat_timeout=0.5,
+        grace_period=0.2,
+        start_method="fork",
+    )
+    with tripwire(30, "join(timeout) polls of a hung rank"):
+        while True:
+            try:
+                if await ctx.join(timeout=0.3):  # shorter than the 1 s stack wait
+                    pytest.fail("a hung rank's group returned")
+            except aiospawn.ProcessHungException:
+                break
+
+
+async def test_hang_detection_stops_during_a_shutdown() -> None:
+    # The rank takes 1 s to act on SIGTERM and beats no more meanwhile: a rank
+    # we are stopping is never reported hung.
+    ctx = await aiospawn.start_processes(
+        supervision_ranks.beat_until_sigterm, nprocs=1, join=False, heartbeat_timeout=0.3
+    )
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(ctx.join)
+        await anyio.sleep(0.5)  # started and beating by now; no hang to find
+
+        with tripwire(30, "terminate() of a slow rank"):
+            await ctx.terminate(grace_period=10)
+    assert await ctx.join() is True  # it exited with 0 after our SIGTERM
+    kinds = per_rank(await collect(ctx), 0)
+    assert "Hung" not in kinds
+
+
+async def test_terminate_during_a_backoff_ends_a_waiting_join() -> None:
+    policy = aiospawn.RestartPolicy(backoff=aiospawn.Backoff(initial=60))
+    ctx = await aiospawn.start_processes(
+        supervision_ranks.always_fail, nprocs=1, join=False, restart=policy, start_method="fork"
+    )
+    outcome: list[BaseException] = []
+
+    async def join() -> None:
+        try:
+            await ctx.join()
+        except aiospawn.ProcessException as exc:
+            outcome.append(exc)
+
+    with tripwire(20, "a join() waiting out a dropped backoff"):
+        async with anyio.create_task_group() as tg, aclosing(ctx.events()) as events:
+            tg.start_soon(join)
+            async for event in events:
+                if isinstance(event, aiospawn.Restarting):
+                    await ctx.terminate()
+                    break
+    [error] = outcome
+    assert isinstance(error, aiospawn.ProcessRaisedException)
+    assert isinstance(error.__cause__, ValueError)
+
+
+async def test_a_restart_that_cannot_start_raises_the_failure_it_answered() -> None:
+    policy = aiospawn.RestartPolicy(strategy="one_for_one", backoff=FAST)
+    ctx = await aiospawn.start_processes(
+        supervision_ranks.fail_first_runs,
+        (0, 1),
+        nprocs=1,
+        join=False,
+        restart=policy,
+        env=supervision_ranks.EnvOnce(),
+        start_method="fork",
+    )
+    with tripwire(30, "a failed restart"):
+        with pytest.raises(aiospawn.ProcessRaisedException) as first:
+            await ctx.join()
+        with pytest.raises(aiospawn.ProcessRaisedException) as second:
+            await ctx.join()
+    assert str(first.value) == str(second.value)
+    assert isinstance(first.value.__cause__, ValueError)
+    assert any("could not restart after it" in note for note in first.value.__notes__)
+
+
+def test_env_reaches_a_spawn_rank_that_finds_aiospawn_only_on_a_runtime_path() -> None:
+    # Without site-packages (python -S) aiospawn and anyio are found through
+    # sys.path entries the program adds itself; the rank learns them only
+    # after it has unpickled its environment.
+    import anyio as anyio_module
+
+    paths = [
+        os.path.dirname(os.path.dirname(aiospawn.__file__)),
+        os.path.dirname(os.path.dirname(anyio_module.__file__)),
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    ]
+    program = (
+        "import sys\n"
+        f"sys.path[:0] = {paths!r}\n"
+        "import anyio, aiospawn\n"
+        "from tests import env_probe_module\n"
+        "async def main():\n"
+        "    print(await aiospawn.start_processes(env_probe_module.probe_at_import,"
+        " env={'AIOSPAWN_PROBE': 'set'}))\n"
+        "if __name__ == '__main__':\n"
+        "    anyio.run(main)\n"
+    )
+    with tempfile.TemporaryDirectory() as directory:
+        script = os.path.join(directory, "runtime_path.py")
+        with open(script, "w") as file:
+            file.write(program)
+        result = subprocess.run(
+            [sys.executable, "-S", script], capture_output=True, text=True, timeout=60
+        )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "['set']"
 
 
 # Events and statistics

@@ -317,8 +317,11 @@ async def _start_group(
         startup_timeout=options.get("startup_timeout"),
     )
     check_seconds("grace_period", supervision.grace_period)
-    check_seconds("heartbeat_timeout", supervision.heartbeat_timeout)
-    check_seconds("startup_timeout", supervision.startup_timeout)
+    for name in ("heartbeat_timeout", "startup_timeout"):
+        seconds = options.get(name)
+        check_seconds(name, seconds)
+        if seconds == 0:
+            raise ValueError(f"{name} must be more than 0 seconds, or None")
     if supervision.restart is not None and not isinstance(supervision.restart, RestartPolicy):
         raise TypeError(f"restart must be an aiospawn.RestartPolicy, got {supervision.restart!r}")
     backend = options.get("backend") or LocalBackend()

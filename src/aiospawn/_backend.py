@@ -52,6 +52,9 @@ class RankHandle(Protocol):
     async def wait(self) -> RankExit:
         """Wait for the exit. Several tasks may call this at once; one watches."""
 
+    def discard(self) -> None:
+        """Release what a rank that will never start holds."""
+
     def send_signal(self, signum: int) -> bool:
         """Ask the rank to stop: ``SIGTERM`` politely, ``SIGKILL`` at once.
 

@@ -61,8 +61,10 @@ RESTART_COUNT_VAR = "AIOSPAWN_RESTART_COUNT"
 #: them, unlike SIGUSR1 and SIGUSR2.
 STACK_SIGNAL = signal.SIGRTMIN + 3
 
-#: The size of a rank's heartbeat slot: one ``time.monotonic_ns()``.
-BEAT_BYTES = 8
+#: The size of a rank's heartbeat slot: a ``time.monotonic_ns()``, then a
+#: word the rank sets to 1 once it answers :data:`STACK_SIGNAL` (before, the
+#: signal's default action would end it).
+BEAT_BYTES = 16
 
 _restart = 0
 _beat: memoryview | None = None
@@ -96,22 +98,27 @@ class _EarlyEnvironment(str):
 
     Under ``spawn`` and ``forkserver`` the new process unpickles the name
     (with the rest of its preparation data) before it imports the main
-    module and ``fn``'s module, so the variables are in place for them.
+    module and ``fn``'s module, so the variables are in place for them. That
+    is also before ``sys.path`` is set up, so the unpickling may only use the
+    standard library: it evaluates one fixed expression over the variables.
     """
 
     env: dict[str, str]
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return _set_environment, (str(self), self.env)
+        return eval, (_SET_ENVIRONMENT, {"env": self.env, "name": str(self)})
 
 
-def _set_environment(name: str, env: dict[str, str]) -> str:
-    os.environ.update(env)
-    return name
+_SET_ENVIRONMENT = "__import__('os').environ.update(env) or name"
 
 
 def early_environment(name: str, env: dict[str, str] | None) -> str:
-    """``name``, which also carries ``env`` into a rank before its imports (see above)."""
+    """``name``, which also carries ``env`` into a rank before its imports (see above).
+
+    Only for ``spawn`` and ``forkserver`` ranks: a ``fork`` rank keeps its
+    name unpickled, and any process that unpickled it later (a log record's
+    ``processName``) would take the variables too.
+    """
     if not env:
         return name
     carrier = _EarlyEnvironment(name)
@@ -168,8 +175,9 @@ def run_rank(
     _guard_supervisor(setup.supervisor_pid, setup.supervisor_is_parent)
     if setup.env:  # a fork start has not set them yet
         os.environ.update(setup.env)
-    global _restart
+    global _restart, _beat
     _restart = setup.restart
+    _beat = None  # a fork of a rank that beats must not beat into its parent's slot
     if setup.heartbeat is not None and setup.stacks is not None:
         _watch_progress(setup.heartbeat, setup.stacks)
     _redirect(sys.stdout, 1, setup.stdout)
@@ -262,6 +270,7 @@ def _watch_progress(heartbeat: ChildEnd, stacks: ChildEnd) -> None:
     # Written from the signal handler, in C: it works while Python code spins
     # or sleeps. The supervisor removes the guard thread's own stack.
     faulthandler.register(STACK_SIGNAL, file=stacks.fd, all_threads=True, chain=False)
+    _beat[1] = 1  # ready for stack requests
 
 
 def _redirect(stream: Any, fd: int, target: ChildEnd | str | None) -> None:

@@ -139,9 +139,7 @@ class AsyncProcessContext(Generic[T]):
         self._capture = capture
         self._events = EventLog()
         self._restarts = [0] * spec.nprocs
-        self._ranks: list[RankHandle] = [
-            launcher.make_rank(index, 0, self._on_exit) for index in range(spec.nprocs)
-        ]
+        self._ranks: list[RankHandle] = self._make_ranks(range(spec.nprocs), [0] * spec.nprocs)
         self._last_starts: list[Started | None] = [None] * spec.nprocs
         self._last_exits: list[Exited | None] = [None] * spec.nprocs
         self._started = anyio.Event()
@@ -152,6 +150,9 @@ class AsyncProcessContext(Generic[T]):
         self._history: list[RestartRecord] = []
         self._restart_times: list[float] = []
         self._hung: set[RankHandle] = set()  # attempts found hung
+        self._probing: set[RankHandle] = set()  # attempts whose stacks are being taken
+        self._restart_count = 0
+        self._restart_error: Exception | None = None
         self._shutdown: Shutdown | None = None
         self._shutdown_done = anyio.Event()
         self._stuck: list[RankHandle] = []
@@ -263,7 +264,7 @@ class AsyncProcessContext(Generic[T]):
                 )
             )
         alive = sum(1 for rank in self._ranks if rank.started and rank.exit is None)
-        return GroupStatistics(alive=alive, restarts=len(self._history), ranks=tuple(ranks))
+        return GroupStatistics(alive=alive, restarts=self._restart_count, ranks=tuple(ranks))
 
     async def join(self, timeout: float | None = None, grace_period: float | None = None) -> bool:
         """Wait for every rank to finish; on the first failure, stop the rest and raise.
@@ -374,8 +375,8 @@ class AsyncProcessContext(Generic[T]):
         else:
             running = sum(1 for rank in self._ranks if rank.started and rank.exit is None)
             state = f" running={running}"
-        if self._history:
-            state += f" restarts={len(self._history)}"
+        if self._restart_count:
+            state += f" restarts={self._restart_count}"
         if self._root is not None:
             state += f" failed=rank {self._root.rank} ({self._root.summary()})"
         return f"<AsyncProcessContext nprocs={len(self._ranks)}{state}>"
@@ -581,14 +582,14 @@ class AsyncProcessContext(Generic[T]):
         """
         stop = [rank for pending in self._pending for rank in pending.stop]
         if stop:
+            failure = self._pending[0].failure
             for pending in self._pending:
                 pending.stop = []
             shutdown = Shutdown(self._grace_period, wait_first=False, on_signal=self._signalled)
             stuck = await run_to_completion(lambda: shutdown.run(stop))
             if stuck:  # a rank that cannot be reaped cannot be replaced either
                 self._stuck += stuck
-                self._give_up(self._pending[0].failure)
-                self._notify()
+                self._failed_restart(failure, None)
             return
         now = time.monotonic()
         for pending in self._pending:
@@ -607,51 +608,91 @@ class AsyncProcessContext(Generic[T]):
         with anyio.move_on_after(first.due - now):
             await changed.wait()
             return
+        if first not in self._pending or self._finished():
+            return  # dropped (terminate(), a failure the policy gave up on) meanwhile
         self._pending.remove(first)
-        if len(first.slots) == len(self._ranks):
+        # Started to the end, whoever is cancelled meanwhile: a slot left with
+        # an attempt that never started would read as finished.
+        try:
+            fresh = await run_to_completion(lambda: self._start_again(first.slots))
+        except Exception as exc:
+            self._failed_restart(first.failure, exc)
+            return
+        self._restart_count += 1
+        self._watch(watchers, fresh)
+        self._notify()  # the heartbeat watcher has new ranks to watch
+
+    async def _start_again(self, slots: Sequence[int]) -> list[RankHandle]:
+        """Make and start the next attempt at each of ``slots``."""
+        if len(slots) == len(self._ranks):
             self._launcher.new_rendezvous()
-        fresh = []
-        for index in first.slots:
-            self._hung.discard(self._ranks[index])
-            self._restarts[index] += 1
-            self._ranks[index] = self._launcher.make_rank(
-                index, self._restarts[index], self._on_exit
-            )
-            fresh.append(self._ranks[index])
+        fresh = self._make_ranks(slots, [self._restarts[index] + 1 for index in slots])
+        for rank in fresh:
+            self._hung.discard(self._ranks[rank.rank])
+            self._restarts[rank.rank] += 1
+            self._ranks[rank.rank] = rank
         self._starting = starting = anyio.Event()
         try:
             await self._launch(fresh)
         finally:
             self._starting = None
             starting.set()
-        self._watch(watchers, fresh)
+        return fresh
+
+    def _make_ranks(self, slots: Sequence[int], restarts: Sequence[int]) -> list[RankHandle]:
+        """Make (not start) an attempt for each slot; on an error, release those made."""
+        made: list[RankHandle] = []
+        try:
+            for index, restart in zip(slots, restarts, strict=True):
+                made.append(self._launcher.make_rank(index, restart, self._on_exit))
+        except BaseException:
+            for rank in made:
+                rank.discard()
+            raise
+        return made
+
+    def _failed_restart(self, failure: RankExit | Hang, error: Exception | None) -> None:
+        """A restart could not happen: the failure it answered is the group's root cause."""
+        if self._root is None:
+            self._restart_error = error
+            self._give_up(failure)
+        self._notify()
 
     async def _launch(self, ranks: Sequence[RankHandle]) -> None:
-        await self._launcher.start(ranks)
-        for rank in ranks:
-            started = Started(rank=rank.rank, pid=rank.pid, restart=self._restarts[rank.rank])
-            self._last_starts[rank.rank] = started
-            self._events.append(started)
+        try:
+            await self._launcher.start(ranks)
+        finally:  # those that started, even when others could not
+            for rank in ranks:
+                if rank.started:
+                    started = Started(
+                        rank=rank.rank, pid=rank.pid, restart=self._restarts[rank.rank]
+                    )
+                    self._last_starts[rank.rank] = started
+                    self._events.append(started)
 
     async def _watch_heartbeats(self) -> None:
         """Find ranks that stopped beating (or never began) and report them hung."""
         while True:
+            changed = self._changed
             found = self._find_hung()
             if not isinstance(found, tuple):
-                await anyio.sleep(found)
+                with anyio.move_on_after(found):  # or sooner: ranks (re)started
+                    await changed.wait()
                 continue
             rank, seconds, began, limit = found
             await self._on_hung(rank, seconds, began=began, limit=limit)
 
     def _find_hung(self) -> tuple[RankHandle, float, bool, float] | float:
         """A hung rank with its figures, or else the seconds until one could be."""
+        if self._shutdown is not None:  # every rank is being stopped anyway
+            return math.inf
         now = time.monotonic()
         next_check = math.inf
         restarting = self._pending_slots()
         for rank in self._ranks:
             if not rank.started or rank.exit is not None or rank in self._hung:
                 continue
-            if rank.rank in restarting:
+            if rank.rank in restarting or rank in self._probing:
                 continue
             beat = rank.last_beat()
             limit = (
@@ -659,7 +700,10 @@ class AsyncProcessContext(Generic[T]):
                 if beat is not None
                 else self._supervision.startup_timeout
             )
-            if limit is None:
+            if limit is None:  # no first beat yet, and no startup_timeout
+                # Nothing tells us of a first beat: look again within the timeout.
+                assert self._supervision.heartbeat_timeout is not None
+                next_check = min(next_check, now + self._supervision.heartbeat_timeout)
                 continue
             started = self._last_starts[rank.rank]
             assert started is not None
@@ -667,19 +711,28 @@ class AsyncProcessContext(Generic[T]):
             if now - since >= limit:
                 return rank, now - since, beat is not None, limit
             next_check = min(next_check, since + limit)
-        # Nothing to watch yet (ranks to start, or none beating without a
-        # startup_timeout): look again a little later.
-        fallback = self._supervision.heartbeat_timeout or self._supervision.startup_timeout
-        assert fallback is not None
-        return max(0.0, next_check - now) if next_check < math.inf else fallback
+        return max(0.0, next_check - now)
 
     async def _on_hung(
         self, rank: RankHandle, seconds: float, *, began: bool, limit: float
     ) -> None:
+        # To the end, even if the supervising call is cancelled meanwhile (a
+        # join() timeout): the stack is taken once, and the hang recorded.
+        await run_to_completion(lambda: self._report_hang(rank, seconds, began, limit))
+
+    async def _report_hang(
+        self, rank: RankHandle, seconds: float, began: bool, limit: float
+    ) -> None:
         pid = rank.pid
         assert pid is not None
+        self._probing.add(rank)
+        try:
+            stack = await rank.stack(STACK_TIMEOUT)
+        finally:
+            self._probing.discard(rank)
+        if rank.exit is not None or self._shutdown is not None:
+            return  # it exited meanwhile, and that exit was reported as any other
         self._hung.add(rank)
-        stack = await rank.stack(STACK_TIMEOUT)
         self._events.append(Hung(rank=rank.rank, pid=pid, seconds=seconds, stack=stack))
         hang = Hang(
             rank=rank.rank, pid=pid, seconds=seconds, began=began, timeout=limit, stack=stack
@@ -707,6 +760,7 @@ class AsyncProcessContext(Generic[T]):
             grace, wait_first=after_failure, on_signal=self._signalled
         )
         self._drop_pending()
+        self._notify()  # the supervisor stops: the shutdown takes over
         done = self._shutdown_done
 
         async def escalate() -> None:
@@ -719,7 +773,10 @@ class AsyncProcessContext(Generic[T]):
                 self._stuck += await shutdown.run(started, at_once=hung)
                 await self._launcher.aclose()
             finally:
-                self._close_if_over()  # a dropped restart may have been all that was left
+                # Nothing more can come, even from a rank stuck in the kernel.
+                self._events.close()
+                if self._capture is not None:
+                    self._capture.close()
                 done.set()
 
         await run_to_completion(escalate)
@@ -748,6 +805,8 @@ class AsyncProcessContext(Generic[T]):
             )
         if self._history:
             error.restarts = tuple(self._history)
+        if self._restart_error is not None:
+            error.add_note(f"aiospawn could not restart after it: {self._restart_error!r}")
         if self._gave_up:
             policy = self._supervision.restart
             assert policy is not None

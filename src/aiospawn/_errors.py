@@ -176,7 +176,8 @@ def hung_message(
     if stack is None:
         return (
             f"{message}\nno stack could be taken: the rank did not answer the stack"
-            " request; it blocks signals, or is stuck in the kernel"
+            " request; it blocks signals, is stuck in the kernel, or had not finished"
+            " importing its modules"
         )
     return f"{message}\nits threads' Python stacks when it was found hung:\n\n{stack}"
 

@@ -200,13 +200,14 @@ class LocalLauncher:
         spec = self._spec
         # typeshed gives get_context(str) the BaseContext type, which lacks Process.
         context: Any = multiprocessing.get_context(spec.start_method)
+        env = self._environment(index, restart)  # first: it runs the user's env callable
         reader, writer = rank_pipe()
         output = RankOutput(spec.output, index, self._capture, restart=restart)
         progress = RankProgress() if spec.heartbeats else None
         setup = RankSetup(
             supervisor_pid=os.getpid(),
             supervisor_is_parent=spec.start_method != "forkserver",
-            env=self._environment(index, restart),
+            env=env,
             stdout=output.targets["stdout"],
             stderr=output.targets["stderr"],
             restart=restart,
@@ -217,7 +218,11 @@ class LocalLauncher:
             target=run_rank,
             args=(spec.fn, index, spec.args, writer, setup),
             daemon=spec.daemon,
-            name=early_environment(f"aiospawn-rank-{index}", setup.env),
+            name=(
+                f"aiospawn-rank-{index}"
+                if spec.start_method == "fork"
+                else early_environment(f"aiospawn-rank-{index}", setup.env)
+            ),
         )
         return LocalRank(
             index,

@@ -47,7 +47,12 @@ class Backoff:
 
     def delay(self, recent_restarts: int) -> float:
         """Seconds to wait before a restart that follows ``recent_restarts`` others."""
-        return float(min(self.max, self.initial * self.factor**recent_restarts))
+        # Past max the exponent no longer matters, and a large one would overflow.
+        exponent = min(recent_restarts, 1024)
+        try:
+            return float(min(self.max, self.initial * self.factor**exponent))
+        except OverflowError:
+            return float(self.max)
 
 
 @dataclass(frozen=True, slots=True)

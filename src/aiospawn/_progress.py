@@ -62,8 +62,19 @@ class RankProgress:
         beat = self._beat[0]
         return beat / 1e9 if beat else None
 
+    def answers_stack_requests(self) -> bool:
+        """True once the rank has set up its answer to :data:`STACK_SIGNAL`."""
+        return not self._shared.closed and self._beat[1] == 1
+
     async def stack(self, pidfd: int | None, pid: int, patience: float) -> str | None:
-        """Ask the running rank for its threads' stacks; None if none came in ``patience`` s."""
+        """Ask the running rank for its threads' stacks; None if none came in ``patience`` s.
+
+        A rank still importing its modules cannot answer yet (the signal would
+        end it): None at once.
+        """
+        if not self.answers_stack_requests():
+            await anyio.lowlevel.checkpoint()
+            return None
         try:
             if pidfd is not None:
                 signal.pidfd_send_signal(pidfd, STACK_SIGNAL)

@@ -104,15 +104,18 @@ class RankActor:
     def _take_signals(self, board: Any, key: str) -> None:
         import ray
 
-        while True:
+        while not self._done.is_set():
             try:
                 signum = ray.get(board.next_signal.remote(key))
             except Exception:  # the board is gone: the group is being torn down
                 return
-            if self._done.is_set():
-                return
-            with contextlib.suppress(OSError):
-                os.kill(os.getpid(), signum)
+            if signum and not self._done.is_set():
+                with contextlib.suppress(OSError):
+                    os.kill(os.getpid(), signum)
+
+
+#: Seconds a rank's signal thread waits on the board in one call.
+SIGNAL_WAIT = 10.0
 
 
 class SignalBoard:
@@ -125,12 +128,17 @@ class SignalBoard:
         return self._queues.setdefault(key, asyncio.Queue())
 
     async def next_signal(self, key: str) -> int:
-        """Wait for the next signal sent to the attempt ``key`` (``"rank.restart"``)."""
-        return await self._queue(key).get()
+        """The next signal sent to the attempt ``key`` (``"rank.restart"``), or 0.
+
+        0 after :data:`SIGNAL_WAIT` seconds without one: every waiting call
+        ends in bounded time, also one whose rank was killed meanwhile, so the
+        calls in flight stay about one per running rank.
+        """
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(SIGNAL_WAIT):
+                return await self._queue(key).get()
+        return 0
 
     async def send(self, key: str, signum: int) -> None:
         """Send ``signum`` to the attempt ``key``."""
         self._queue(key).put_nowait(signum)
-
-    async def ping(self) -> None:
-        """Answer once the board is up."""

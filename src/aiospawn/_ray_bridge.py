@@ -45,15 +45,23 @@ def threadsafe(fn: Callable[[], None]) -> Callable[[], None]:
     return call_trio
 
 
+def done_event(future: Future[Any]) -> anyio.Event:
+    """An event of this loop that is set once ``future`` is done. Call it on the loop."""
+    event = anyio.Event()
+    if future.done():
+        event.set()
+    else:
+        wake = threadsafe(event.set)
+        future.add_done_callback(lambda _: wake())
+    return event
+
+
 async def wait_done(future: Future[Any]) -> None:
     """Wait, without blocking the loop, until ``future`` is done. Always checkpoints."""
     if future.done():
         await checkpoint()
         return
-    event = anyio.Event()
-    wake = threadsafe(event.set)
-    future.add_done_callback(lambda _: wake())
-    await event.wait()
+    await done_event(future).wait()
 
 
 async def get(ref: Any) -> Any:

@@ -38,6 +38,7 @@ from ._launch import LaunchSpec
 from ._ray_bridge import get
 from ._ray_rank import OnExit, RayRank
 from ._rendezvous import torchrun_environment
+from ._shield import run_to_completion
 
 #: A resource only Ray's head node has.
 HEAD_NODE_RESOURCE = "node:__internal_head__"
@@ -150,8 +151,7 @@ class RayLauncher:
         try:
             await self._reserve()
         except BaseException:
-            with anyio.CancelScope(shield=True):
-                await self.aclose()
+            await run_to_completion(self.aclose)
             raise
         return self
 
@@ -173,6 +173,9 @@ class RayLauncher:
                 num_cpus=0,
                 resources={HEAD_NODE_RESOURCE: 0.001},
                 name=f"{self._name}-signals",
+                # One waiting call per running rank, and one per stop request:
+                # past Ray's default of 1000, a stop would queue behind them.
+                max_concurrency=max(1000, 4 * nprocs),
             )
             self._board = board.remote()
 
@@ -247,10 +250,9 @@ class RayLauncher:
                 for rank in ranks:
                     rank.begin(work, self._environment(rank.rank, rank.restart), self._board)
         finally:
-            unstarted = [rank for rank in ranks if not rank.started]
+            unstarted = [rank.actor for rank in ranks if not rank.started]
             if unstarted:
-                with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(_kill, [rank.actor for rank in unstarted])
+                await run_to_completion(lambda: anyio.to_thread.run_sync(_kill, unstarted))
         if errors:
             index = min(errors)
             error = errors[index]
@@ -339,8 +341,7 @@ class RayLauncher:
                 with contextlib.suppress(Exception):
                     self._ray.util.remove_placement_group(pg)
 
-        with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(release)
+        await run_to_completion(lambda: anyio.to_thread.run_sync(release))
 
 
 def _kill(actors: Sequence[Any]) -> None:

@@ -22,7 +22,7 @@ import anyio
 from anyio.lowlevel import checkpoint
 
 from ._outcome import RankExit
-from ._ray_bridge import wait_done
+from ._ray_bridge import done_event
 from ._wire import Kind
 
 if TYPE_CHECKING:
@@ -48,6 +48,7 @@ class RayRank:
         self._stopped_by_us = False
         self._last_signal: int | None = None
         self._watcher_done: anyio.Event | None = None
+        self._done = anyio.Event()  # replaced in begin()
 
     @property
     def started(self) -> bool:
@@ -80,9 +81,11 @@ class RayRank:
         self._node, self._pid = (node_id, address), pid
 
     def begin(self, work: Any, env: dict[str, str], board: Any) -> None:
-        """Submit ``run()``; its result is the rank's sentinel."""
+        """Submit ``run()``; its result is the rank's sentinel. On the event loop."""
         ref = self.actor.run.remote(work, self.rank, env, self.restart, board)
         self._future = ref.future()
+        # One wake-up per attempt, however often the rank is waited for.
+        self._done = done_event(self._future)
 
     def poll(self) -> RankExit | None:
         """Return the exit if ``run()`` has finished, without waiting."""
@@ -100,13 +103,16 @@ class RayRank:
                 continue
             self._watcher_done = done = anyio.Event()
             try:
-                await wait_done(self._future)
+                await self._done.wait()
             finally:
                 self._watcher_done = None
                 done.set()
         await checkpoint()
         assert self._exit is not None
         return self._exit
+
+    def discard(self) -> None:
+        """Nothing to release before the actor exists."""
 
     def send_signal(self, signum: int) -> bool:
         """``SIGKILL``: ``ray.kill`` the actor; other signals go to the rank's process.
@@ -175,11 +181,12 @@ class RayRank:
         return f"on Ray node {address} (node id {node_id[:12]}, worker pid {self._pid})"
 
     def _death_code(self, exc: BaseException) -> int:
-        if self._stopped_by_us and self._last_signal is not None:
-            return -self._last_signal
+        # Ray 2.60 words an orderly worker exit "... exits with an exit code N".
         match = re.search(r"exits with an exit code (\d+)", str(exc))
         if match:
             return int(match.group(1))
+        if self._stopped_by_us and self._last_signal is not None:
+            return -self._last_signal
         # Ray does not report how a worker process died abruptly (its own text
         # lists the out-of-memory killer, SIGSEGV and `ray stop --force`).
         return -signal.SIGKILL
