@@ -85,8 +85,8 @@ def heartbeat() -> None:
 
     Cheap enough for a tight loop (one clock read and one store into memory
     shared with the supervisor, about 0.1 microseconds) and safe from any
-    thread. Outside a rank, or when the group has no ``heartbeat_timeout``,
-    it does nothing.
+    thread. Outside a rank, or when the group has neither
+    ``heartbeat_timeout`` nor ``startup_timeout``, it does nothing.
     """
     beat = _beat
     if beat is not None:

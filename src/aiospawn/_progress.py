@@ -47,13 +47,13 @@ class RankProgress:
         self._reader, stacks = rank_pipe()
         os.set_blocking(self._reader, False)
         #: The ends the rank gets; ours are closed once it has its copies.
-        self.child_ends: tuple[ChildEnd, ChildEnd] = (ChildEnd(memory), stacks)
+        self.child_ends: tuple[ChildEnd, ...] = (ChildEnd(memory), stacks)
 
     def started(self) -> None:
         """Close our copies of the rank's ends, once the rank has its own."""
         for end in self.child_ends:
             os.close(end.fd)
-        self.child_ends = ()  # type: ignore[assignment]
+        self.child_ends = ()
 
     def last_beat(self) -> float | None:
         """The rank's last heartbeat on the ``time.monotonic()`` clock, if it beat."""
@@ -109,7 +109,7 @@ class RankProgress:
         """Release the slot and the pipe (idempotent)."""
         for end in self.child_ends:
             os.close(end.fd)
-        self.child_ends = ()  # type: ignore[assignment]
+        self.child_ends = ()
         if self._reader is not None:
             close_watched(self._reader)
             self._reader = None

@@ -147,10 +147,10 @@ def _check_spec(spec: LaunchSpec, capture: CaptureBuffer | None) -> None:
             )
     if capture is not None or output.tee:
         raise ValueError("RayBackend cannot capture or tee the ranks' output")
-    if getattr(spec, "heartbeats", False):
+    if spec.heartbeats:
         raise ValueError(
-            "heartbeat_timeout is not available with RayBackend: heartbeats do not cross"
-            " machines; use a timeout in the ranks' own code"
+            "heartbeat_timeout and startup_timeout are not available with RayBackend:"
+            " heartbeats do not cross machines; use a timeout in the ranks' own code"
         )
 
 
