@@ -106,7 +106,7 @@ def print_then_fail(rank: int) -> None:
     raise ValueError("fails")
 
 
-def beat_until_sigterm(rank: int) -> None:
+def beat_until_sigterm(rank: int, report: Any) -> None:
     """Beat until SIGTERM; then take a second (beating no more) and exit with 0."""
 
     def on_sigterm(signum: int, frame: Any) -> None:
@@ -114,6 +114,8 @@ def beat_until_sigterm(rank: int) -> None:
         sys.exit(0)
 
     signal.signal(signal.SIGTERM, on_sigterm)
+    aiospawn.heartbeat()
+    report.send(("beating", rank, os.getpid()))
     while True:
         aiospawn.heartbeat()
         time.sleep(0.01)

@@ -353,16 +353,21 @@ async def test_join_timeouts_while_a_stack_is_taken_still_find_the_hang() -> Non
                 break
 
 
-async def test_hang_detection_stops_during_a_shutdown() -> None:
+async def test_hang_detection_stops_during_a_shutdown(events: Events) -> None:
     # The rank takes 1 s to act on SIGTERM and beats no more meanwhile: a rank
     # we are stopping is never reported hung.
+    reader, writer = events
     ctx = await aiospawn.start_processes(
-        supervision_ranks.beat_until_sigterm, nprocs=1, join=False, heartbeat_timeout=0.3
+        supervision_ranks.beat_until_sigterm,
+        (writer,),
+        nprocs=1,
+        join=False,
+        heartbeat_timeout=0.3,
+        start_method="fork",
     )
     async with anyio.create_task_group() as tg:
         tg.start_soon(ctx.join)
-        await anyio.sleep(0.5)  # started and beating by now; no hang to find
-
+        await receive(reader, "first heartbeat")
         with tripwire(30, "terminate() of a slow rank"):
             await ctx.terminate(grace_period=10)
     assert await ctx.join() is True  # it exited with 0 after our SIGTERM
