@@ -277,7 +277,9 @@ class AsyncProcessContext(Generic[T]):
 
         Args:
             timeout: Seconds to wait; ``None`` waits as long as it takes and
-                ``0`` checks once without waiting.
+                ``0`` checks once without waiting. Steps that must not be cut
+                short finish first: a restart's start, taking a hung rank's
+                stacks (at most 1 s).
             grace_period: For the shutdown this call may run (a failure, or its
                 cancellation): seconds between SIGTERM and SIGKILL, and after a
                 failure, how long the other ranks may first take to exit by
