@@ -215,7 +215,7 @@ async def test_a_rank_blocking_every_signal_is_killed_and_reported_without_a_sta
         nprocs=1,
         join=False,
         heartbeat_timeout=0.5,
-        grace_period=0.5,
+        grace_period=0.2,
     )
     with (
         tripwire(60, "a hung rank that blocks signals"),
