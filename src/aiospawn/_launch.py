@@ -250,17 +250,29 @@ class LocalLauncher:
 
     def _environment(self, index: int, restart: int) -> dict[str, str]:
         spec = self._spec
-        env = {RESTART_COUNT_VAR: str(restart)}
+        torchrun = None
         if spec.torchrun_env:
             if self._fresh_port:
                 self._master_port = free_port(avoid=self._master_port)
                 self._fresh_port = False
             assert self._master_port is not None
-            env.update(torchrun_environment(index, spec.nprocs, restart, self._master_port))
-        user = spec.env(index) if callable(spec.env) else spec.env
-        if user:
-            env.update({str(key): str(value) for key, value in user.items()})
-        return env
+            torchrun = torchrun_environment(index, spec.nprocs, restart, self._master_port)
+        return rank_environment(spec, index, restart, torchrun)
+
+
+def rank_environment(
+    spec: LaunchSpec, index: int, restart: int, torchrun: Mapping[str, str] | None
+) -> dict[str, str]:
+    """The environment of attempt ``restart`` of rank ``index``, on any backend.
+
+    The restart count, then torchrun's variables if the group asked for them,
+    then the user's ``env``, which wins.
+    """
+    env = {RESTART_COUNT_VAR: str(restart), **(torchrun or {})}
+    user = spec.env(index) if callable(spec.env) else spec.env
+    if user:
+        env.update({str(key): str(value) for key, value in user.items()})
+    return env
 
 
 async def start_ranks(ranks: Sequence[LocalRank], start_method: str) -> None:

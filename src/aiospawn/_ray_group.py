@@ -33,8 +33,7 @@ from typing import Any
 import anyio
 from anyio.lowlevel import checkpoint
 
-from ._child import RESTART_COUNT_VAR
-from ._launch import LaunchSpec
+from ._launch import LaunchSpec, rank_environment
 from ._ray_bridge import get
 from ._ray_rank import OnExit, RayRank
 from ._rendezvous import torchrun_environment
@@ -296,27 +295,22 @@ class RayLauncher:
 
     def _environment(self, index: int, restart: int) -> dict[str, str]:
         spec = self._spec
-        env = {RESTART_COUNT_VAR: str(restart)}
+        torchrun = None
         if spec.torchrun_env:
             assert self._master_port is not None
             slot, master = self._slots[index], self._slots[0]
-            env.update(
-                torchrun_environment(
-                    index,
-                    spec.nprocs,
-                    restart,
-                    self._master_port,
-                    master_addr=master.address,
-                    local_rank=slot.local_rank,
-                    local_world_size=slot.local_world_size,
-                    group_rank=slot.node_rank,
-                    group_world_size=slot.nodes,
-                )
+            torchrun = torchrun_environment(
+                index,
+                spec.nprocs,
+                restart,
+                self._master_port,
+                master_addr=master.address,
+                local_rank=slot.local_rank,
+                local_world_size=slot.local_world_size,
+                group_rank=slot.node_rank,
+                group_world_size=slot.nodes,
             )
-        user = spec.env(index) if callable(spec.env) else spec.env
-        if user:
-            env.update({str(key): str(value) for key, value in user.items()})
-        return env
+        return rank_environment(spec, index, restart, torchrun)
 
     def new_rendezvous(self) -> None:
         """Let the next whole-group start ask rank 0's node for a fresh ``MASTER_PORT``."""
