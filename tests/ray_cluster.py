@@ -30,7 +30,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+
+from aiospawn._rendezvous import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -53,14 +54,6 @@ HEALTH_CHECKS = {
     "RAY_health_check_timeout_ms": "2000",
     "RAY_health_check_failure_threshold": "3",
 }
-
-
-def free_port() -> int:
-    """A TCP port on loopback that nothing listens on now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @dataclass

@@ -20,6 +20,7 @@ import sys
 import textwrap
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -34,8 +35,9 @@ from tests.helpers import tripwire
 
 ray = pytest.importorskip("ray")
 
+from aiospawn._rendezvous import free_port  # noqa: E402
 from aiospawn.ray import RayBackend  # noqa: E402  (after the skip: needs ray)
-from tests.ray_cluster import LocalCluster, free_port  # noqa: E402
+from tests.ray_cluster import LocalCluster  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.anyio]
 
@@ -127,6 +129,18 @@ async def ready_channel() -> AsyncIterator[Ready]:
         yield Ready(inner)
 
 
+async def start_ready(
+    fn: Any, nprocs: int, backend: RayBackend, **options: Any
+) -> aiospawn.AsyncProcessContext[Any]:
+    """Start ``fn(rank, port)`` ranks that report on a ready channel; return once all have."""
+    async with ready_channel() as ready:
+        ctx = await aiospawn.start_processes(
+            fn, args=(ready.port,), nprocs=nprocs, join=False, backend=backend, **options
+        )
+        await ready.wait(nprocs)
+    return ctx
+
+
 def assert_gone(pids: list[int]) -> None:
     assert wait_until(lambda: not any(psutil.pid_exists(pid) for pid in pids), 10), pids
 
@@ -203,16 +217,7 @@ async def test_sys_exit_code_is_reported(cluster: LocalCluster) -> None:
 
 
 async def test_killed_worker_process_is_reported_with_its_node(cluster: LocalCluster) -> None:
-    async with ready_channel() as ready:
-        ctx = await aiospawn.start_processes(
-            ray_ranks.sleep_forever,
-            args=(ready.port,),
-            nprocs=3,
-            join=False,
-            backend=backend_for(cluster),
-            grace_period=1,
-        )
-        await ready.wait(3)
+    ctx = await start_ready(ray_ranks.sleep_forever, 3, backend_for(cluster), grace_period=1)
     pids = ctx.pids()
     psutil.Process(pids[1]).kill()
     with (
@@ -231,15 +236,7 @@ async def test_killed_worker_process_is_reported_with_its_node(cluster: LocalClu
 
 
 async def test_terminate_escalates_from_sigterm_to_ray_kill(cluster: LocalCluster) -> None:
-    async with ready_channel() as ready:
-        ctx = await aiospawn.start_processes(
-            ray_ranks.ignore_sigterm,
-            args=(ready.port,),
-            nprocs=2,
-            join=False,
-            backend=backend_for(cluster),
-        )
-        await ready.wait(2)
+    ctx = await start_ready(ray_ranks.ignore_sigterm, 2, backend_for(cluster))
     pids = ctx.pids()
     assert await ctx.join(timeout=0) is False
     with tripwire(60, "terminate() of a Ray group"):
@@ -253,15 +250,8 @@ async def test_terminate_escalates_from_sigterm_to_ray_kill(cluster: LocalCluste
 
 
 async def test_sigterm_runs_the_ranks_own_handler(cluster: LocalCluster) -> None:
-    async with ready_channel() as ready:
-        ctx = await aiospawn.start_processes(
-            ray_ranks.handle_sigterm,
-            args=(ready.port,),
-            nprocs=2,
-            join=False,
-            backend=backend_for(cluster),
-        )
-        await ready.wait(2)  # the handlers are installed
+    # Once ready, the ranks' handlers are installed.
+    ctx = await start_ready(ray_ranks.handle_sigterm, 2, backend_for(cluster))
     with tripwire(60, "terminate() of a Ray group"):
         await ctx.terminate(grace_period=30)
     with pytest.raises(ProcessExitedException) as info:
@@ -354,16 +344,7 @@ async def test_cancellation_while_placing_releases_the_reservation(cluster: Loca
 async def test_node_loss_fails_the_group(cluster: LocalCluster, anyio_backend: str) -> None:
     # One rank per node; the worker node's rank needs its resource.
     backend = backend_for(cluster, placement="STRICT_SPREAD")
-    async with ready_channel() as ready:
-        ctx = await aiospawn.start_processes(
-            ray_ranks.sleep_forever,
-            args=(ready.port,),
-            nprocs=2,
-            join=False,
-            backend=backend,
-            grace_period=2,
-        )
-        await ready.wait(2)
+    ctx = await start_ready(ray_ranks.sleep_forever, 2, backend, grace_period=2)
     pids = ctx.pids()
     worker = next(node for node in cluster.nodes if node.tag == "node2")
     on_worker = {process.pid for process in worker.processes()}

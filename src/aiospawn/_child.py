@@ -238,11 +238,15 @@ def encode_exit(exc: SystemExit) -> Outcome:
     return Kind.EXITED, pickle.dumps((code, text)), code
 
 
-def encode_exception(exc: BaseException) -> bytes:
-    """The payload of a RAISED frame: the pickled exception if it pickles, its type, its text."""
-    import traceback
+def encode_exception(exc: BaseException, text: str | None = None) -> bytes:
+    """The payload of a RAISED frame: the pickled exception if it pickles, its type, its text.
 
-    text = "".join(traceback.format_exception(exc))
+    ``text`` defaults to the formatted traceback of ``exc``.
+    """
+    if text is None:
+        import traceback
+
+        text = "".join(traceback.format_exception(exc))
     type_name = f"{type(exc).__module__}.{type(exc).__qualname__}"
     try:
         exc_pickle: bytes | None = pickle.dumps(exc, protocol=pickle.HIGHEST_PROTOCOL)

@@ -26,13 +26,13 @@ import contextlib
 import os
 import pickle
 import signal
-import socket
 import threading
 from collections.abc import Mapping
 from typing import Any
 
 from ._child import Outcome, encode_exception
 from ._child import call as call_rank
+from ._rendezvous import free_port
 from ._wire import Kind
 
 
@@ -52,10 +52,7 @@ class RankActor:
 
     def free_port(self) -> int:
         """A TCP port nothing listens on, on this node (for ``MASTER_PORT``)."""
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("", 0))
-            port: int = sock.getsockname()[1]
-            return port
+        return free_port(host="")
 
     def run(
         self,

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 from anyio.lowlevel import checkpoint
 
+from ._child import encode_exception
 from ._outcome import RankExit
 from ._ray_bridge import done_event
 from ._wire import Kind
@@ -153,11 +154,11 @@ class RayRank:
             note = self._death_note(exc, where)
         except ray.exceptions.RayTaskError as exc:
             # Raised outside fn: the arguments could not be unpickled there, say.
-            frame = (Kind.RAISED, _raised_payload(exc.cause or exc, str(exc)))
+            frame = (Kind.RAISED, encode_exception(exc.cause or exc, str(exc)))
             exit_code = 1
             note = f"the rank ran {where}"
         except Exception as exc:  # another Ray error: the object was lost, say
-            frame = (Kind.RAISED, _raised_payload(exc, f"{type(exc).__name__}: {exc}\n"))
+            frame = (Kind.RAISED, encode_exception(exc, f"{type(exc).__name__}: {exc}\n"))
             exit_code = 1
             note = f"the rank ran {where}"
         self._exit = RankExit(
@@ -215,12 +216,3 @@ class RayRank:
 def _node_died(exc: BaseException) -> bool:
     text = str(exc)
     return "node has died" in text or "node died" in text or "node was" in text
-
-
-def _raised_payload(exc: BaseException, text: str) -> bytes:
-    type_name = f"{type(exc).__module__}.{type(exc).__qualname__}"
-    try:
-        exc_pickle: bytes | None = pickle.dumps(exc, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception:
-        exc_pickle = None
-    return pickle.dumps((exc_pickle, type_name, text))
