@@ -90,11 +90,13 @@ def torchrun_variables(rank: int) -> dict[str, str]:
     return {name: os.environ[name] for name in names}
 
 
-def port_after_first_run(rank: int) -> str:
-    """Fail in the first run; report MASTER_PORT in every run through the exit value."""
+def port_after_first_run(rank: int, report: Any) -> str:
+    """Report ``(restart, MASTER_PORT)`` in every run; rank 0 fails in the first."""
+    port = os.environ["MASTER_PORT"]
+    report.send((aiospawn.restart_count(), port))
     if aiospawn.restart_count() == 0 and rank == 0:
         raise ValueError("first run fails")
-    return os.environ["MASTER_PORT"] + "/" + os.environ["TORCHELASTIC_RESTART_COUNT"]
+    return port + "/" + os.environ["TORCHELASTIC_RESTART_COUNT"]
 
 
 def return_quickly(rank: int) -> int:

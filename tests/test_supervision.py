@@ -16,7 +16,7 @@ import pytest
 import aiospawn
 from aiospawn._events import EventLog
 from tests import env_probe_module, ranks, slow_import_module, supervision_ranks
-from tests.helpers import Events, receive, tripwire
+from tests.helpers import Events, drain, receive, tripwire
 
 pytestmark = pytest.mark.anyio
 
@@ -542,19 +542,23 @@ async def test_torchrun_env_is_set_as_torchrun_sets_it() -> None:
     assert results[0]["MASTER_PORT"] == results[1]["MASTER_PORT"]
 
 
-async def test_each_group_restart_gets_a_fresh_master_port() -> None:
+async def test_each_group_restart_gets_a_fresh_master_port(events: Events) -> None:
+    reader, writer = events
     policy = aiospawn.RestartPolicy(backoff=FAST)
     results = await aiospawn.start_processes(
         supervision_ranks.port_after_first_run,
+        (writer,),
         nprocs=2,
         torchrun_env=True,
         restart=policy,
         start_method="fork",
     )
-    assert results[0] == results[1]
-    assert results[0].endswith("/1")
-    ctx_ports = {result.split("/")[0] for result in results}
-    assert len(ctx_ports) == 1
+    # Rank 0 reported its first run's port before it failed.
+    first_port = next(port for restart, port in drain(reader) if restart == 0)
+    assert results[0] == results[1]  # one port for the group's second run
+    port, restart = results[0].split("/")
+    assert restart == "1"
+    assert port != first_port
 
 
 async def test_env_is_set_before_a_spawn_rank_imports_the_function_module() -> None:
