@@ -177,10 +177,11 @@ def package_imports() -> dict[str, set[str]]:
                     target = node.module or ""
                 if target.startswith("aiospawn"):
                     edges.add(target)
+                    folder = source / Path(*target.split("."))
                     edges.update(
                         f"{target}.{alias.name}"
                         for alias in node.names
-                        if (source / Path(*target.split("."), alias.name)).with_suffix(".py").exists()
+                        if (folder / f"{alias.name}.py").exists()
                     )
             elif isinstance(node, ast.Import):
                 edges.update(a.name for a in node.names if a.name.startswith("aiospawn"))
