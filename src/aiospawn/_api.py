@@ -142,7 +142,7 @@ async def start_processes(
             and ``forkserver``, which may carry ``multiprocessing`` queues and
             pipes as usual.
         nprocs: How many ranks; a positive int, at most what the process and
-            file limits allow (see the README).
+            file limits allow (the docs' semantics page, "Starting ranks").
         join: Wait for every rank and return their results (True), or return
             the :class:`AsyncProcessContext` at once (False).
         daemon: Start the processes as daemons (they cannot have children).
