@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import inspect
 import math
+import multiprocessing
 import os
 import resource
 import shutil
@@ -166,6 +167,29 @@ def percentile(samples: list[float], q: float) -> float:
 def ms(seconds: float) -> float:
     """Seconds to milliseconds."""
     return seconds * 1000.0
+
+
+def start_plain(
+    method: str, target: Callable[..., object], nprocs: int, *args: object
+) -> list[Any]:
+    """Start ``nprocs`` plain ``multiprocessing`` processes running ``target(rank, *args)``.
+
+    The peer without a supervisor: every ``Process`` is made, then each is
+    started in turn; nothing watches them.
+    """
+    context = multiprocessing.get_context(method)
+    processes = [context.Process(target=target, args=(rank, *args)) for rank in range(nprocs)]
+    for process in processes:
+        process.start()
+    return processes
+
+
+def stop_plain(processes: list[Any]) -> None:
+    """SIGTERM every process, then join each: the teardown of a peer without one."""
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        process.join()
 
 
 @contextmanager
