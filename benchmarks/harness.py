@@ -77,6 +77,7 @@ class ScenarioResult:
     load_before: tuple[float, float, float] = (0.0, 0.0, 0.0)
     load_after: tuple[float, float, float] = (0.0, 0.0, 0.0)
     seconds: float = 0.0
+    skipped: str | None = None
 
     def add(self, case: str, peer: str, measure: Measure) -> None:
         """Append one run's measure to the series of ``case`` and ``peer``."""
@@ -104,6 +105,10 @@ class ScenarioResult:
         data["load_before"] = tuple(data["load_before"])
         data["load_after"] = tuple(data["load_after"])
         return cls(series=series, **data)
+
+
+class Skipped(Exception):
+    """Raised by a scenario that cannot run on this machine; the report gives the reason."""
 
 
 @dataclass

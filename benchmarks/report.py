@@ -23,8 +23,8 @@ class Check:
     verdict: str  # "pass", "fail" or "n/a"
 
 
-def machine() -> dict[str, str]:
-    """What the figures depend on: cores, CPU, Python, kernel, versions, date."""
+def machine(*, ray: bool = False) -> dict[str, str]:
+    """What the figures depend on: cores, CPU, Python, kernel, versions (Ray's too), date."""
     model = "unknown"
     try:
         with open("/proc/cpuinfo") as file:
@@ -35,7 +35,7 @@ def machine() -> dict[str, str]:
     except OSError:
         pass
     versions = []
-    for name in ("aiospawn", "anyio", "torch"):
+    for name in ("aiospawn", "anyio", "torch", *(("ray",) if ray else ())):
         try:
             versions.append(f"{name} {importlib.metadata.version(name)}")
         except importlib.metadata.PackageNotFoundError:
@@ -224,6 +224,30 @@ def checks(results: dict[str, ScenarioResult]) -> list[Check]:
                 found.append(
                     _bound_check("teardown of cooperative ranks < 200 ms", case, value, 200.0, "ms")
                 )
+    if "cli" in results:
+        for case in dict.fromkeys(s.case for s in results["cli"].series):
+            metric = "start to exit [ms]"
+            ours = _median(results, "cli", case, metric, "aiospawn")
+            found.append(
+                _ratio_check(
+                    "launcher within 1.5x of two plain python runs",
+                    case,
+                    ours,
+                    _median(results, "cli", case, metric, "python x2"),
+                    lambda a, b: a <= 1.5 * b,
+                    "python x2",
+                )
+            )
+            found.append(
+                _ratio_check(
+                    "launcher >= 5x faster than torchrun",
+                    case,
+                    ours,
+                    _median(results, "cli", case, metric, "torchrun"),
+                    lambda a, b: 5 * a <= b,
+                    "torchrun",
+                )
+            )
     if "idle" in results:
         for case in dict.fromkeys(s.case for s in results["idle"].series):
             value = _median(results, "idle", case, "CPU while asleep [% of a core]", "aiospawn")
@@ -283,9 +307,11 @@ def markdown(
     for number, result in enumerate(results, 1):
         before = ", ".join(f"{value:.2f}" for value in result.load_before)
         after = ", ".join(f"{value:.2f}" for value in result.load_after)
+        out += [f"## {number}. {result.title} (`--only {result.name}`)", ""]
+        if result.skipped:
+            out += [f"Skipped: {result.skipped}", ""]
+            continue
         out += [
-            f"## {number}. {result.title} (`--only {result.name}`)",
-            "",
             f"Load average before: {before}; after: {after}; took {result.seconds:.0f} s.",
             "",
             scenario_table(result),
@@ -312,6 +338,10 @@ _COLORS = {
     "floor: join the failing rank": "#2ca02c",
     "polling 0.1 s": "#9467bd",
     "idle loop": "#7f7f7f",
+    "torchrun": "#ff7f0e",
+    "python x2": "#2ca02c",
+    "ray": "#1f77b4",
+    "local (spawn)": "#2ca02c",
 }
 
 
@@ -319,8 +349,11 @@ def _color(peer: str) -> str:
     return _COLORS.get(peer, "#8c564b")
 
 
-def plot(results: list[ScenarioResult], path: str) -> None:
-    """A grouped bar chart per scenario and unit: medians, with the p95 as an error bar."""
+def plot(results: list[ScenarioResult], path: str) -> bool:
+    """A grouped bar chart per scenario and unit: medians, with the p95 as an error bar.
+
+    Returns False, writing nothing, when no scenario has figures (all skipped or failed).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -333,7 +366,7 @@ def plot(results: list[ScenarioResult], path: str) -> None:
             chosen = [s for s in result.series if s.unit == unit]
             panels.append((f"{result.title} [{unit}]", chosen))
     if not panels:
-        return
+        return False
     columns = 2
     rows = math.ceil(len(panels) / columns)
     figure, axes = plt.subplots(rows, columns, figsize=(16, 4.2 * rows), squeeze=False)
@@ -372,3 +405,4 @@ def plot(results: list[ScenarioResult], path: str) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
+    return True
