@@ -1,7 +1,7 @@
 """Benchmark aiospawn against torch.multiprocessing, plain multiprocessing and torchrun.
 
     python benchmarks/run.py             # every scenario but ray; about 10 minutes on 2 cores
-    python benchmarks/run.py --quick     # fewer trials and ranks; under 2 minutes
+    python benchmarks/run.py --quick     # fewer trials and ranks; about 2 minutes
     python benchmarks/run.py --only failure
     python benchmarks/run.py --with-ray  # and the ray scenario (the ray extra, a local cluster)
 
@@ -40,7 +40,7 @@ def main(argv: list[str]) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer trials and ranks (< 2 min)")
+    parser.add_argument("--quick", action="store_true", help="fewer trials and ranks (~2 min)")
     parser.add_argument("--only", choices=list(SCENARIOS), help="run this scenario alone")
     parser.add_argument(
         "--with-ray",
