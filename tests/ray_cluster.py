@@ -39,7 +39,7 @@ from pathlib import Path
 
 import psutil
 
-from aiospawn._rendezvous import free_port
+from aiospawn._core._env import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 RAY = str(Path(sys.executable).with_name("ray"))

@@ -16,7 +16,7 @@ import anyio
 import pytest
 
 import aiospawn
-from aiospawn._launch import max_nprocs
+from aiospawn._core._spec import max_nprocs
 from tests import ranks
 from tests.helpers import Events, drain, is_gone, receive, receive_ready
 

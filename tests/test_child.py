@@ -1,6 +1,6 @@
-"""The rank bootstrap (``_child``), proven on real processes.
+"""The rank bootstrap (``aiospawn._rank.bootstrap``), proven on real processes.
 
-The crash matrix walks the exit-code contract in ``_child``'s docstring row by
+The crash matrix walks the exit-code contract in the bootstrap's docstring row by
 row, for every start method: rank 1 misbehaves while rank 0 sleeps (or both
 ranks do a row that succeeds), and each row asserts the exception, its fields,
 its message, and that every rank was reaped.

@@ -8,7 +8,7 @@ import signal
 import pytest
 
 import aiospawn
-from aiospawn._errors import describe_exit, exited_message, raised_message, signal_name
+from aiospawn._core._errors import describe_exit, exited_message, raised_message, signal_name
 
 PROTOCOLS = range(pickle.HIGHEST_PROTOCOL + 1)
 

@@ -1,5 +1,5 @@
-"""Starting ranks (``_launch``): concurrent starts, threads that exit, parent death,
-and start failures."""
+"""Starting ranks (``aiospawn._local._launcher``): concurrent starts, threads that exit,
+parent death, and start failures."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ async def test_ranks_start_side_by_side(start_method: str) -> None:
 def test_a_group_started_from_a_thread_outlives_the_thread(
     anyio_backend: str, start_method: str
 ) -> None:
-    """DESIGN.md's pdeathsig hazard: a rank must not die with the thread that started it.
+    """The pdeathsig hazard (docs/architecture.md): a rank outlives the thread that started it.
 
     ``PR_SET_PDEATHSIG`` fires when the thread that forked the child exits. Here
     an event loop on a short-lived thread starts the group and returns; the

@@ -21,7 +21,7 @@ import pytest
 
 import aiospawn
 from aiospawn import OutputLine
-from aiospawn._output import MAX_LINE
+from aiospawn._local._output import MAX_LINE
 from tests import ranks
 
 pytestmark = pytest.mark.anyio
@@ -308,7 +308,7 @@ async def test_pump_ends_quietly_when_the_rank_exit_drains_the_pipe_first(
     # The interleaving that happens for real: the pipe turns readable, and
     # before the pump task resumes, the watcher sees the rank's exit and
     # drains (and closes) the pipe.
-    from aiospawn import _output
+    from aiospawn._local import _output
 
     read_end, write_end = os.pipe()
     lines: list[bytes] = []

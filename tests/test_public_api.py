@@ -88,12 +88,147 @@ def imported_after(statement: str) -> dict[str, bool]:
 
 
 def test_the_rank_bootstrap_imports_no_event_loop() -> None:
-    """DESIGN.md invariant 7: a rank pays for the interpreter and its own code only."""
-    assert imported_after("import aiospawn._child") == {
+    """Invariant 7 (docs/architecture.md): a rank pays for the interpreter and its own code."""
+    assert imported_after("import aiospawn._rank.bootstrap") == {
         "anyio": False,
         "asyncio": False,
         "trio": False,
     }
+
+
+def modules_loaded_by(statement: str) -> set[str]:
+    """The modules that ``statement`` loads in a fresh interpreter, beyond its start-up."""
+    code = (
+        "import json, sys\n"
+        "before = set(sys.modules)\n"
+        f"{statement}\n"
+        "print(json.dumps(sorted(set(sys.modules) - before)))\n"
+    )
+    completed = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert completed.returncode == 0, completed.stderr
+    return set(json.loads(completed.stdout))
+
+
+def test_the_rank_side_package_imports_the_standard_library_only() -> None:
+    loaded = modules_loaded_by(
+        "import aiospawn._rank.bootstrap, aiospawn._rank.api, aiospawn._rank.wire,"
+        " aiospawn._rank.programs"
+    )
+    ours = {name for name in loaded if name.split(".")[0] == "aiospawn"}
+    assert ours == {
+        "aiospawn",
+        "aiospawn._rank",
+        "aiospawn._rank.api",
+        "aiospawn._rank.bootstrap",
+        "aiospawn._rank.programs",
+        "aiospawn._rank.wire",
+    }
+    foreign = {
+        name
+        for name in loaded - ours
+        if name.split(".")[0] not in sys.stdlib_module_names and not name.startswith("_")
+    }
+    assert not foreign, f"the rank side imported {sorted(foreign)}"
+
+
+def test_the_core_imports_no_backend_and_no_rank_bootstrap() -> None:
+    core = sorted(
+        f"aiospawn._core.{path.stem}"
+        for path in (ROOT / "src" / "aiospawn" / "_core").glob("_*.py")
+        if path.stem != "__init__"
+    )
+    loaded = modules_loaded_by("import " + ", ".join(core))
+    forbidden = {
+        name
+        for name in loaded
+        if name.startswith(("aiospawn._local", "aiospawn.ray", "aiospawn._api", "aiospawn.sync"))
+        or name in ("aiospawn._cli", "aiospawn._rank.bootstrap", "aiospawn._rank.programs")
+    }
+    assert not forbidden, f"aiospawn._core imported {sorted(forbidden)}"
+
+
+def package_imports() -> dict[str, set[str]]:
+    """Module -> the aiospawn modules it imports at its top level (TYPE_CHECKING included)."""
+    import ast
+
+    source = ROOT / "src"
+    graph: dict[str, set[str]] = {}
+    for path in (source / "aiospawn").rglob("*.py"):
+        parts = list(path.relative_to(source).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        if is_package:
+            parts.pop()
+        name = ".".join(parts)
+        edges: set[str] = set()
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        nodes = [
+            *tree.body,
+            *(node for stmt in tree.body if isinstance(stmt, ast.If) for node in stmt.body),
+        ]
+        for node in nodes:
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    anchor = parts if is_package else parts[:-1]
+                    base = ".".join(anchor[: len(anchor) - node.level + 1])
+                    target = f"{base}.{node.module}" if node.module else base
+                else:
+                    target = node.module or ""
+                if target.startswith("aiospawn"):
+                    edges.add(target)
+                    folder = source / Path(*target.split("."))
+                    edges.update(
+                        f"{target}.{alias.name}"
+                        for alias in node.names
+                        if (folder / f"{alias.name}.py").exists()
+                    )
+            elif isinstance(node, ast.Import):
+                edges.update(a.name for a in node.names if a.name.startswith("aiospawn"))
+        graph[name] = edges - {name}
+    return graph
+
+
+def test_the_package_has_no_import_cycle() -> None:
+    graph = package_imports()
+    # A package's own __init__ is imported on the way to any of its modules;
+    # that edge is Python's, not a design choice, so it does not count.
+    state: dict[str, str] = {}
+    cycles: list[list[str]] = []
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = "open"
+        for target in sorted(graph.get(name, ())):
+            if name.startswith(target + "."):
+                continue
+            if state.get(target) == "open":
+                cycles.append([*path[path.index(target) :], target])
+            elif target not in state:
+                visit(target, [*path, target])
+        state[name] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_public_names_report_the_package_as_their_module() -> None:
+    import aiospawn
+
+    for attr in aiospawn.__all__:
+        value = getattr(aiospawn, attr)
+        if inspect.isclass(value) or inspect.isfunction(value):
+            assert value.__module__ == "aiospawn", (attr, value.__module__)
+
+
+def test_the_version_comes_from_the_installed_package() -> None:
+    from importlib.metadata import version
+
+    import aiospawn
+
+    assert aiospawn.__version__ == version("aiospawn")
+    assert "__version__" not in aiospawn.__all__
 
 
 def test_importing_aiospawn_loads_its_names_lazily() -> None:

@@ -35,7 +35,7 @@ from tests.helpers import tripwire
 
 ray = pytest.importorskip("ray")
 
-from aiospawn._rendezvous import free_port  # noqa: E402
+from aiospawn._core._env import free_port  # noqa: E402
 from aiospawn.ray import RayBackend  # noqa: E402  (after the skip: needs ray)
 from tests.ray_cluster import LocalCluster  # noqa: E402
 
@@ -484,7 +484,7 @@ def test_supervisor_death_leaves_nothing_on_the_cluster(ray_cluster: LocalCluste
 
 
 def test_layout_numbers_ranks_node_by_node() -> None:
-    from aiospawn._ray_group import layout
+    from aiospawn.ray._launcher import layout
 
     slots = layout(["b", "a", "b", "a", "c"], {"a": "10.0.0.1", "b": "10.0.0.2", "c": "10.0.0.3"})
     # Rank 0 keeps bundle 0's node; each node's ranks are consecutive.

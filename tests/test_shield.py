@@ -7,7 +7,7 @@ import asyncio
 import anyio
 import pytest
 
-from aiospawn._shield import run_to_completion
+from aiospawn._core._concurrency import run_to_completion
 
 pytestmark = pytest.mark.anyio
 

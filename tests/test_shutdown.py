@@ -11,8 +11,8 @@ import anyio
 import pytest
 
 import aiospawn
-import aiospawn._shutdown
-from aiospawn._watch import LocalRank
+import aiospawn._core._shutdown
+from aiospawn._local._rank import LocalRank
 from tests import ranks
 from tests.helpers import Events, drain, is_gone, receive_ready
 
@@ -147,7 +147,7 @@ async def test_a_rank_that_cannot_be_reaped_is_reported_instead_of_waited_for(
 ) -> None:
     reader, writer = events
     release = multiprocessing.get_context("spawn").Event()
-    monkeypatch.setattr(aiospawn._shutdown, "REAP_TIMEOUT", 0.5)
+    monkeypatch.setattr(aiospawn._core._shutdown, "REAP_TIMEOUT", 0.5)
     send_signal = LocalRank.send_signal
 
     def lose_sigkill(self: LocalRank, signum: int) -> bool:

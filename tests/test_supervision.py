@@ -14,7 +14,7 @@ import anyio
 import pytest
 
 import aiospawn
-from aiospawn._events import EventLog
+from aiospawn._core._events import EventLog
 from tests import env_probe_module, ranks, slow_import_module, supervision_ranks
 from tests.helpers import Events, drain, receive, tripwire
 

@@ -31,10 +31,10 @@ import psutil
 import pytest
 
 import aiospawn
-import aiospawn._errors
-import aiospawn._shutdown
+import aiospawn._core._errors
+import aiospawn._core._shutdown
 import aiospawn.sync as sync
-from aiospawn._watch import LocalRank
+from aiospawn._local._rank import LocalRank
 from tests import ranks, slow_import_module, torch_ranks
 from tests.conftest import live_children, wait_until
 
@@ -88,9 +88,9 @@ def test_public_names_are_torchs_and_the_exceptions_are_the_cores() -> None:
             "start_processes",
         ]
     )
-    assert sync.ProcessException is aiospawn._errors.ProcessException
-    assert sync.ProcessRaisedException is aiospawn._errors.ProcessRaisedException
-    assert sync.ProcessExitedException is aiospawn._errors.ProcessExitedException
+    assert sync.ProcessException is aiospawn._core._errors.ProcessException
+    assert sync.ProcessRaisedException is aiospawn._core._errors.ProcessRaisedException
+    assert sync.ProcessExitedException is aiospawn._core._errors.ProcessExitedException
     assert sync.ProcessRaisedException is aiospawn.ProcessRaisedException
     assert sync.ENV_VAR_PARALLEL_START == "TORCH_MP_PARALLEL_START"
     assert issubclass(sync.SpawnContext, sync.ProcessContext)
@@ -514,7 +514,7 @@ def test_join_is_idempotent_after_a_failure() -> None:
 def test_the_shutdown_after_an_undelivered_sigkill_is_bounded(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(aiospawn._shutdown, "REAP_TIMEOUT", 0.5)
+    monkeypatch.setattr(aiospawn._core._shutdown, "REAP_TIMEOUT", 0.5)
     send_signal = LocalRank.send_signal
 
     def lose_sigkill(self: LocalRank, signum: int) -> bool:

@@ -1,5 +1,5 @@
-"""Exit detection (``_watch``): prompt despite grandchildren, no deadlock on big results,
-exact exit codes under load."""
+"""Exit detection (``aiospawn._local._rank``): prompt despite grandchildren, no deadlock on
+big results, exact exit codes under load."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from aiospawn._wire import HEADER, FrameReader, Kind, header
+from aiospawn._rank.wire import HEADER, FrameReader, Kind, header
 
 PAYLOAD = b"the rank's pickled result \x00\xff" * 10
 

@@ -4,6 +4,22 @@ Start N worker processes that each run ``fn(rank, *args)``, watch them from an
 asyncio or trio program without blocking its event loop, and shut them down
 gracefully (SIGTERM, grace period, SIGKILL) when one fails or the owner is
 cancelled. ``aiospawn.sync`` is a blocking drop-in for ``torch.multiprocessing.spawn``.
+
+The package's layers (the docs' architecture page draws them):
+
+- ``aiospawn._core``: backend-agnostic supervision (the group supervisor, its
+  restart and hang policies, shutdown escalation, outcomes, errors, events).
+  It imports no backend, and of the rank side only its wire format.
+- ``aiospawn._local``: the local-process backend (the default).
+- ``aiospawn.ray``: the Ray backend, a public package of private modules.
+- ``aiospawn._rank``: the code that runs inside a rank; standard library only.
+- This module, ``_api``, ``sync`` and ``_cli``: the public surface over them.
+
+Every rank imports this package on its way to ``aiospawn._rank``, so the public
+names below load on first use: a rank must not pay for anyio and the
+supervisor's modules it never runs (invariant 7 on the architecture page).
+The import block below is the one list of public names: ``__all__`` and the
+lazy map are read from it, and each name reports ``__module__ == "aiospawn"``.
 """
 
 from __future__ import annotations
@@ -16,102 +32,62 @@ if TYPE_CHECKING:
     from ._api import open_group as open_group
     from ._api import spawn as spawn
     from ._api import start_processes as start_processes
-    from ._child import heartbeat as heartbeat
-    from ._child import restart_count as restart_count
-    from ._context import AsyncProcessContext as AsyncProcessContext
-    from ._errors import ProcessException as ProcessException
-    from ._errors import ProcessExitedException as ProcessExitedException
-    from ._errors import ProcessHungException as ProcessHungException
-    from ._errors import ProcessRaisedException as ProcessRaisedException
-    from ._errors import RemoteTraceback as RemoteTraceback
-    from ._events import Event as Event
-    from ._events import EventsLost as EventsLost
-    from ._events import Exited as Exited
-    from ._events import GroupStatistics as GroupStatistics
-    from ._events import Hung as Hung
-    from ._events import RankEvent as RankEvent
-    from ._events import RankStatistics as RankStatistics
-    from ._events import Restarting as Restarting
-    from ._events import Started as Started
-    from ._events import Stopped as Stopped
-    from ._events import Terminating as Terminating
-    from ._output import OutputLine as OutputLine
-    from ._policy import Backoff as Backoff
-    from ._policy import RestartPolicy as RestartPolicy
-    from ._policy import RestartRecord as RestartRecord
-    from ._shutdown import DEFAULT_GRACE_PERIOD as DEFAULT_GRACE_PERIOD
+    from ._core._capture import OutputLine as OutputLine
+    from ._core._context import AsyncProcessContext as AsyncProcessContext
+    from ._core._errors import ProcessException as ProcessException
+    from ._core._errors import ProcessExitedException as ProcessExitedException
+    from ._core._errors import ProcessHungException as ProcessHungException
+    from ._core._errors import ProcessRaisedException as ProcessRaisedException
+    from ._core._errors import RemoteTraceback as RemoteTraceback
+    from ._core._events import Event as Event
+    from ._core._events import EventsLost as EventsLost
+    from ._core._events import Exited as Exited
+    from ._core._events import GroupStatistics as GroupStatistics
+    from ._core._events import Hung as Hung
+    from ._core._events import RankEvent as RankEvent
+    from ._core._events import RankStatistics as RankStatistics
+    from ._core._events import Restarting as Restarting
+    from ._core._events import Started as Started
+    from ._core._events import Stopped as Stopped
+    from ._core._events import Terminating as Terminating
+    from ._core._policy import Backoff as Backoff
+    from ._core._policy import RestartPolicy as RestartPolicy
+    from ._core._policy import RestartRecord as RestartRecord
+    from ._core._shutdown import DEFAULT_GRACE_PERIOD as DEFAULT_GRACE_PERIOD
+    from ._rank.api import heartbeat as heartbeat
+    from ._rank.api import restart_count as restart_count
 
-__all__ = [
-    "DEFAULT_GRACE_PERIOD",
-    "AsyncProcessContext",
-    "Backoff",
-    "Event",
-    "EventsLost",
-    "Exited",
-    "GroupOptions",
-    "GroupStatistics",
-    "Hung",
-    "OutputLine",
-    "ProcessException",
-    "ProcessExitedException",
-    "ProcessHungException",
-    "ProcessRaisedException",
-    "RankEvent",
-    "RankStatistics",
-    "RemoteTraceback",
-    "RestartPolicy",
-    "RestartRecord",
-    "Restarting",
-    "Started",
-    "Stopped",
-    "Terminating",
-    "heartbeat",
-    "open_group",
-    "restart_count",
-    "spawn",
-    "start_processes",
-]
+__version__: str
 
-# Every rank imports this package to reach its bootstrap (aiospawn._child), so
-# the public names load on first use: a rank must not pay for anyio and the
-# supervisor's modules it never runs (DESIGN.md, invariant 7).
-_HOMES = {
-    "DEFAULT_GRACE_PERIOD": "._shutdown",
-    "AsyncProcessContext": "._context",
-    "Backoff": "._policy",
-    "Event": "._events",
-    "EventsLost": "._events",
-    "Exited": "._events",
-    "GroupOptions": "._api",
-    "GroupStatistics": "._events",
-    "Hung": "._events",
-    "RankEvent": "._events",
-    "RankStatistics": "._events",
-    "RestartPolicy": "._policy",
-    "RestartRecord": "._policy",
-    "Restarting": "._events",
-    "Started": "._events",
-    "Stopped": "._events",
-    "Terminating": "._events",
-    "heartbeat": "._child",
-    "restart_count": "._child",
-    "OutputLine": "._output",
-    "ProcessException": "._errors",
-    "ProcessExitedException": "._errors",
-    "ProcessHungException": "._errors",
-    "ProcessRaisedException": "._errors",
-    "RemoteTraceback": "._errors",
-    "open_group": "._api",
-    "spawn": "._api",
-    "start_processes": "._api",
-}
+
+def _read_exports() -> dict[str, str]:
+    # The block above, read as text: ast, tokenize or pathlib would cost every
+    # rank a module import, and the lines have one fixed shape (ruff keeps it).
+    homes: dict[str, str] = {}
+    with open(__file__, encoding="utf-8") as source:
+        lines = source.read().splitlines()
+    for line in lines:
+        words = line.split()
+        if len(words) == 6 and words[0] == "from" and words[2] == "import" and words[4] == "as":
+            homes[words[5]] = words[1]
+    return homes
+
+
+_HOMES = _read_exports()
+__all__ = sorted(_HOMES)
 
 
 def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
+    if name == "__version__":
+        from importlib.metadata import version
+
+        value: Any = version("aiospawn")
+    elif name in _HOMES:
+        value = getattr(importlib.import_module(_HOMES[name], __name__), name)
+        if getattr(value, "__module__", None) not in (None, __name__):
+            value.__module__ = __name__  # users see aiospawn.X, never the private home
+    else:
         raise AttributeError(f"module 'aiospawn' has no attribute {name!r}")
-    value = getattr(importlib.import_module(home, __name__), name)
     globals()[name] = value
     return value
 

@@ -8,11 +8,11 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Literal, TypedDict, TypeVar, TypeVarTuple, Unpack, overload
 
-from ._backend import Backend
-from ._context import AsyncProcessContext, Supervision
-from ._launch import EnvSpec, LocalBackend, check_seconds, make_spec
-from ._output import DEFAULT_PREFIX, make_output_spec
-from ._policy import RestartPolicy
+from ._core._backend import Backend
+from ._core._context import AsyncProcessContext, Supervision
+from ._core._policy import RestartPolicy
+from ._core._spec import DEFAULT_PREFIX, EnvSpec, check_seconds, make_output_spec, make_spec
+from ._local._launcher import LocalBackend
 
 __all__ = ["GroupOptions", "open_group", "spawn", "start_processes"]
 

@@ -116,12 +116,12 @@ import anyio
 
 import aiospawn
 
-from ._programs import rank_function, rank_module, rank_program, rank_script, resolve_function
+from ._rank.programs import rank_function, rank_module, rank_program, rank_script, resolve_function
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-    from ._context import AsyncProcessContext
+    from ._core._context import AsyncProcessContext
 
 __all__ = ["main"]
 

@@ -43,9 +43,9 @@ import anyio
 from anyio.from_thread import BlockingPortal
 
 from ._api import start_processes as _start_group
-from ._context import AsyncProcessContext
-from ._errors import ProcessException, ProcessExitedException, ProcessRaisedException
-from ._launch import check_seconds, resolve_start_method
+from ._core._context import AsyncProcessContext
+from ._core._errors import ProcessException, ProcessExitedException, ProcessRaisedException
+from ._core._spec import check_seconds, resolve_start_method
 
 __all__ = [
     "ENV_VAR_PARALLEL_START",

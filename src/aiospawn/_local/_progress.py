@@ -19,13 +19,13 @@ import signal
 
 import anyio
 
-from . import _child
-from ._child import BEAT_BYTES, STACK_SIGNAL
+from aiospawn._rank import bootstrap
+from aiospawn._rank.wire import BEAT_BYTES, STACK_SIGNAL, ChildEnd
+
 from ._pipes import close_watched, rank_pipe
-from ._wire import ChildEnd
 
 #: The rank bootstrap's file, as faulthandler names it in a frame.
-_BOOTSTRAP = _child.__file__
+_BOOTSTRAP = bootstrap.__file__
 
 #: A stack dump is complete once the pipe has been quiet this long.
 _DUMP_QUIET = 0.1

@@ -6,7 +6,7 @@ import os
 
 import anyio
 
-from ._wire import ChildEnd
+from aiospawn._rank.wire import ChildEnd
 
 
 def rank_pipe() -> tuple[int, ChildEnd]:

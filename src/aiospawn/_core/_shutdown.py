@@ -2,13 +2,12 @@
 
 Every live rank is signalled at once, so the grace periods overlap: N ranks
 that ignore SIGTERM cost one grace period, not N. The caller runs this shielded
-(see ``_shield``); it never waits without a bound, and a shorter grace period
+(see ``_concurrency``); it never waits without a bound, and a shorter grace period
 asked for meanwhile (a second Ctrl-C) hurries it.
 """
 
 from __future__ import annotations
 
-import logging
 import signal
 from collections.abc import Callable, Sequence
 
@@ -16,8 +15,7 @@ import anyio
 from anyio.lowlevel import checkpoint
 
 from ._backend import RankHandle
-
-logger = logging.getLogger("aiospawn")
+from ._log import logger
 
 #: Seconds between SIGTERM and SIGKILL when no ``grace_period`` is given, as in
 #: ``torch.multiprocessing`` and torchrun.

@@ -14,7 +14,7 @@ the board: the supervisor uses ``ray.kill``. Ray kills an actor whose owner
 (the supervising process) dies, which is the cluster's parent-death guard.
 
 The outcome of ``fn`` is the same ``(kind, payload)`` frame a local rank
-sends (see ``_wire``), so the supervisor builds the same exceptions from it.
+sends (see ``aiospawn._rank.wire``), so the supervisor builds the same exceptions from it.
 
 Nothing here is imported by ``import aiospawn``; Ray is imported by the caller.
 """
@@ -30,10 +30,9 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from ._child import Outcome, encode_exception
-from ._child import call as call_rank
-from ._rendezvous import free_port
-from ._wire import Kind
+from aiospawn._core._env import free_port
+from aiospawn._rank.wire import Kind, Outcome, encode_exception
+from aiospawn._rank.wire import call as call_rank
 
 
 class RankActor:
@@ -74,10 +73,10 @@ class RankActor:
             restart: The attempt's restart count.
             board: The group's :class:`SignalBoard`.
         """
-        from . import _child
+        from aiospawn._rank import api
 
         os.environ.update(env)
-        _child._restart = restart  # what aiospawn.restart_count() answers in the rank
+        api._restart = restart  # what aiospawn.restart_count() answers in the rank
         # Python's default action, as in a local rank: SIGTERM ends the process
         # unless fn installs a handler of its own.
         signal.signal(signal.SIGTERM, signal.SIG_DFL)

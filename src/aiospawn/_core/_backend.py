@@ -3,7 +3,7 @@
 :class:`~aiospawn.AsyncProcessContext` supervises (fail-fast, shutdown,
 restarts, hang detection, events) and knows nothing of processes; a backend
 makes and starts ranks, and each rank is a :class:`RankHandle` that reports
-its one exit. The local backend (``_launch.LocalBackend``) runs ranks as
+its one exit. The local backend (``aiospawn._local``) runs ranks as
 child processes; ``aiospawn.ray.RayBackend`` runs them as Ray actors.
 
 A rank handle is one *attempt* at a rank: a restarted rank is a new handle
@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from ._launch import LaunchSpec
+from ._capture import CaptureBuffer
 from ._outcome import RankExit
-from ._output import CaptureBuffer
+from ._spec import LaunchSpec
 
 #: Called once per handle, on the event-loop thread, with the attempt's exit.
 OnExit = Callable[[RankExit], None]

@@ -6,6 +6,8 @@ import pickle
 from dataclasses import dataclass
 from typing import Any
 
+from aiospawn._rank.wire import Kind
+
 from ._errors import (
     ProcessException,
     ProcessExitedException,
@@ -17,7 +19,6 @@ from ._errors import (
     raised_message,
     signal_name,
 )
-from ._wire import Kind
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -23,23 +23,20 @@ its exit is reported.
 from __future__ import annotations
 
 import collections
-import logging
 import os
 import sys
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO, NamedTuple
+from typing import Any, BinaryIO
 
 import anyio
 
+from aiospawn._core._capture import CaptureBuffer, OutputLine
+from aiospawn._core._log import logger
+from aiospawn._core._spec import STREAMS, OutputSpec
+from aiospawn._rank.wire import ChildEnd
+
 from ._pipes import close_watched, rank_pipe
-from ._wire import ChildEnd
-
-logger = logging.getLogger("aiospawn")
-
-STREAMS = ("stdout", "stderr")
-MODES = ("inherit", "prefix", "capture", "devnull")
 
 #: Longer lines are split into pieces of this many bytes, never dropped.
 MAX_LINE = 64 * 1024
@@ -47,110 +44,7 @@ MAX_LINE = 64 * 1024
 #: The last lines of a failed rank's stderr that its exception quotes.
 STDERR_TAIL_LINES = 20
 
-#: Captured lines held for ``ctx.output()`` before the ranks are held back.
-CAPTURE_BUFFER_LINES = 10_000
-
-DEFAULT_PREFIX = "[rank{rank}]: "
-
 _READ_CHUNK = 64 * 1024
-
-
-class OutputLine(NamedTuple):
-    """One line a rank wrote, as ``ctx.output()`` yields it."""
-
-    rank: int
-    stream: str
-    line: str
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class OutputSpec:
-    """Where a group's streams go: ``modes`` maps stream name to mode or directory."""
-
-    modes: dict[str, str | Path]
-    tee: bool
-    prefix: str
-
-    @property
-    def captures(self) -> bool:
-        """True if some stream is captured for ``ctx.output()``."""
-        return "capture" in self.modes.values()
-
-
-def make_output_spec(stdout: object, stderr: object, tee: object, prefix: object) -> OutputSpec:
-    """Check the output options of a group.
-
-    Raises:
-        ValueError: A mode is neither a known one nor a path; ``tee`` without a
-            directory; a ``prefix`` template with an unknown field.
-        TypeError: ``prefix`` is not a string.
-    """
-    modes: dict[str, str | Path] = {}
-    for name, value in zip(STREAMS, (stdout, stderr), strict=True):
-        if isinstance(value, str) and value in MODES:
-            modes[name] = value
-        elif isinstance(value, str | os.PathLike):
-            modes[name] = Path(value)
-        else:
-            raise ValueError(
-                f"{name} must be one of {', '.join(map(repr, MODES))} or a directory path,"
-                f" got {value!r}"
-            )
-    if tee and not any(isinstance(mode, Path) for mode in modes.values()):
-        raise ValueError("tee=True needs stdout or stderr to be a directory path")
-    if not isinstance(prefix, str):
-        raise TypeError(f"prefix must be a str template, got {prefix!r}")
-    try:
-        prefix.format(rank=0, pid=0, restart=0)
-    except (KeyError, IndexError, ValueError) as exc:
-        raise ValueError(
-            f"prefix may use {{rank}}, {{pid}} and {{restart}}, got {prefix!r}"
-        ) from exc
-    return OutputSpec(modes=modes, tee=bool(tee), prefix=prefix)
-
-
-class CaptureBuffer:
-    """Captured lines of a whole group, waiting for ``ctx.output()``."""
-
-    def __init__(self) -> None:
-        self._lines: collections.deque[OutputLine] = collections.deque()
-        self._changed = anyio.Event()
-        self._closed = False
-
-    @property
-    def full(self) -> bool:
-        """True while readers should hold the ranks back."""
-        return len(self._lines) >= CAPTURE_BUFFER_LINES
-
-    def put(self, line: OutputLine) -> None:
-        """Add a line; the bound is applied by readers waiting in :meth:`wait_for_room`."""
-        self._lines.append(line)
-        self._notify()
-
-    def close(self) -> None:
-        """No more lines will come: iteration ends once the buffer is empty."""
-        self._closed = True
-        self._notify()
-
-    async def wait_for_room(self) -> None:
-        """Wait while the buffer is full."""
-        while self.full:
-            await self._changed.wait()
-
-    async def lines(self) -> AsyncIterator[OutputLine]:
-        """Yield lines as they come, until closed and drained."""
-        while True:
-            while self._lines:
-                line = self._lines.popleft()
-                self._notify()
-                yield line
-            if self._closed:
-                return
-            await self._changed.wait()
-
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = anyio.Event()
 
 
 class StreamReader:

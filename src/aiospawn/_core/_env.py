@@ -1,5 +1,7 @@
-"""The environment torchrun gives each rank, for code written for torchrun.
+"""A rank's environment on any backend: the restart count, torchrun's variables, the user's.
 
+:func:`rank_environment` builds it. torchrun's variables are for code written
+for torchrun:
 ``torch.distributed``'s ``env://`` initialisation reads ``MASTER_ADDR`` and
 ``MASTER_PORT`` (rank 0 listens there) plus ``RANK`` and ``WORLD_SIZE``;
 torchrun also sets the local and role sizes and its restart bookkeeping.
@@ -11,6 +13,13 @@ rank 0 hosts the store itself.
 from __future__ import annotations
 
 import socket
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from aiospawn._rank.wire import RESTART_COUNT_VAR
+
+if TYPE_CHECKING:
+    from ._spec import LaunchSpec
 
 
 def free_port(host: str = "127.0.0.1", *, avoid: int | None = None) -> int:
@@ -50,3 +59,18 @@ def torchrun_environment(
         "MASTER_PORT": str(master_port),
         "TORCHELASTIC_RESTART_COUNT": str(restart),
     }
+
+
+def rank_environment(
+    spec: LaunchSpec, index: int, restart: int, torchrun: Mapping[str, str] | None
+) -> dict[str, str]:
+    """The environment of attempt ``restart`` of rank ``index``, on any backend.
+
+    The restart count, then torchrun's variables if the group asked for them,
+    then the user's ``env``, which wins.
+    """
+    env = {RESTART_COUNT_VAR: str(restart), **(torchrun or {})}
+    user = spec.env(index) if callable(spec.env) else spec.env
+    if user:
+        env.update({str(key): str(value) for key, value in user.items()})
+    return env

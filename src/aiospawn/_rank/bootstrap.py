@@ -14,7 +14,7 @@ runs, the rank
    thread that forked the rank exits (prctl(2)) and so cannot be used from
    worker threads that retire.
 
-Then ``fn`` runs, and its outcome is sent back as one frame (see ``_wire``).
+Then ``fn`` runs, and its outcome is sent back as one frame (see ``wire``).
 The exit-code contract, row by row:
 
 =====================================  ================  ==========================
@@ -43,7 +43,6 @@ from __future__ import annotations
 import _thread
 import contextlib
 import os
-import pickle
 import select
 import signal
 import sys
@@ -51,46 +50,18 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from ._wire import ChildEnd, Kind, header
-
-#: The variable that holds a rank's restart count (see :func:`restart_count`).
-RESTART_COUNT_VAR = "AIOSPAWN_RESTART_COUNT"
-
-#: The signal on which a rank writes every thread's stack to the supervisor,
-#: when the group watches heartbeats. A real-time signal: programs rarely use
-#: them, unlike SIGUSR1 and SIGUSR2.
-STACK_SIGNAL = signal.SIGRTMIN + 3
-
-#: The size of a rank's heartbeat slot: a ``time.monotonic_ns()``, then a
-#: word the rank sets to 1 once it answers :data:`STACK_SIGNAL` (before, the
-#: signal's default action would end it).
-BEAT_BYTES = 16
-
-_restart = 0
-_beat: memoryview | None = None
-
-
-def restart_count() -> int:
-    """How many times this rank has been restarted: 0 in its first run.
-
-    Called in a rank of an aiospawn group. A rank resuming from a checkpoint
-    can use it to tell its first run from a restart; the same number is in
-    the ``AIOSPAWN_RESTART_COUNT`` environment variable. Outside a rank: 0.
-    """
-    return _restart
-
-
-def heartbeat() -> None:
-    """Tell the supervisor this rank is making progress.
-
-    Cheap enough for a tight loop (one clock read and one store into memory
-    shared with the supervisor, about 0.1 microseconds) and safe from any
-    thread. Outside a rank, or when the group has neither
-    ``heartbeat_timeout`` nor ``startup_timeout``, it does nothing.
-    """
-    beat = _beat
-    if beat is not None:
-        beat[0] = time.monotonic_ns()
+from . import api
+from .wire import (
+    BEAT_BYTES,
+    STACK_SIGNAL,
+    ChildEnd,
+    Kind,
+    encode_exception,
+    encode_exit,
+    encode_value,
+    from_fn,
+    header,
+)
 
 
 class _EarlyEnvironment(str):
@@ -141,7 +112,7 @@ class RankSetup(NamedTuple):
         heartbeat: A memory file holding the rank's heartbeat slot, when the
             group watches heartbeats.
         stacks: Where the rank writes its threads' stacks on
-            :data:`STACK_SIGNAL`, when the group watches heartbeats.
+            :data:`~aiospawn._rank.wire.STACK_SIGNAL`, when the group watches heartbeats.
     """
 
     supervisor_pid: int
@@ -175,9 +146,8 @@ def run_rank(
     _guard_supervisor(setup.supervisor_pid, setup.supervisor_is_parent)
     if setup.env:  # a fork start has not set them yet
         os.environ.update(setup.env)
-    global _restart, _beat
-    _restart = setup.restart
-    _beat = None  # a fork of a rank that beats must not beat into its parent's slot
+    api._restart = setup.restart
+    api._beat = None  # a fork of a rank that beats must not beat into its parent's slot
     if setup.heartbeat is not None and setup.stacks is not None:
         _watch_progress(setup.heartbeat, setup.stacks)
     _redirect(sys.stdout, 1, setup.stdout)
@@ -192,7 +162,7 @@ def run_rank(
             raise  # multiprocessing turns it into the exit code (and prints a text code)
         return
     except BaseException as exc:
-        _send(fd, Kind.RAISED, encode_exception(_from_fn(exc)))
+        _send(fd, Kind.RAISED, encode_exception(from_fn(exc)))
         raise SystemExit(1) from None
     kind, payload, code = encode_value(value)
     _send(fd, kind, payload)
@@ -200,81 +170,18 @@ def run_rank(
         raise SystemExit(code) from None
 
 
-#: ``(kind, payload, exit_code)``: the frame a rank sends, and the exit code it then has.
-Outcome = tuple[int, bytes, int]
-
-
-def call(fn: Callable[..., Any], rank: int, args: tuple[Any, ...]) -> Outcome:
-    """Run ``fn(rank, *args)`` here and encode how it ended, by the table above.
-
-    For backends whose ranks hand their frame back rather than write it to a pipe.
-    """
-    try:
-        value = fn(rank, *args)
-    except SystemExit as exc:
-        return encode_exit(exc)
-    except BaseException as exc:
-        return Kind.RAISED, encode_exception(_from_fn(exc)), 1
-    return encode_value(value)
-
-
-def encode_value(value: Any) -> Outcome:
-    """The frame of a returned value, or of the TypeError if it cannot be pickled."""
-    try:
-        payload = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as exc:
-        error = TypeError(f"the value returned by the rank cannot be pickled: {exc}")
-        error.__cause__ = exc
-        return Kind.RAISED, encode_exception(error), 1
-    return Kind.RETURNED, payload, 0
-
-
-def encode_exit(exc: SystemExit) -> Outcome:
-    """The frame of ``sys.exit(code)``: success for ``None`` and 0, else EXITED."""
-    if exc.code is None or exc.code == 0:
-        return encode_value(None)
-    code = exc.code if isinstance(exc.code, int) else 1
-    text = None if isinstance(exc.code, int) else f"sys.exit({exc.code!r})"
-    return Kind.EXITED, pickle.dumps((code, text)), code
-
-
-def encode_exception(exc: BaseException, text: str | None = None) -> bytes:
-    """The payload of a RAISED frame: the pickled exception if it pickles, its type, its text.
-
-    ``text`` defaults to the formatted traceback of ``exc``.
-    """
-    if text is None:
-        import traceback
-
-        text = "".join(traceback.format_exception(exc))
-    type_name = f"{type(exc).__module__}.{type(exc).__qualname__}"
-    try:
-        exc_pickle: bytes | None = pickle.dumps(exc, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception:
-        exc_pickle = None
-    return pickle.dumps((exc_pickle, type_name, text))
-
-
-def _from_fn(exc: BaseException) -> BaseException:
-    # The traceback starts in fn: the bootstrap's own frame is not the user's.
-    if exc.__traceback__ is not None and exc.__traceback__.tb_next is not None:
-        return exc.with_traceback(exc.__traceback__.tb_next)
-    return exc
-
-
 def _watch_progress(heartbeat: ChildEnd, stacks: ChildEnd) -> None:
-    global _beat
     import mmap  # only in ranks that beat
 
     shared = mmap.mmap(heartbeat.fd, BEAT_BYTES)
     os.close(heartbeat.fd)
-    _beat = memoryview(shared).cast("q")
+    beat = api._beat = memoryview(shared).cast("q")
     import faulthandler  # built in: no file to load
 
     # Written from the signal handler, in C: it works while Python code spins
     # or sleeps. The supervisor removes the guard thread's own stack.
     faulthandler.register(STACK_SIGNAL, file=stacks.fd, all_threads=True, chain=False)
-    _beat[1] = 1  # ready for stack requests
+    beat[1] = 1  # ready for stack requests
 
 
 def _redirect(stream: Any, fd: int, target: ChildEnd | str | None) -> None:

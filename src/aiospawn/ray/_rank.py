@@ -1,8 +1,8 @@
 """One rank attempt run by a Ray actor: its sentinel, its stop signals, its exit.
 
-The actor's ``run()`` result is the rank's sentinel (see ``_ray_bridge``):
+The actor's ``run()`` result is the rank's sentinel (see ``_bridge``):
 one task waits on it, the others on an event, as ``LocalRank.wait`` does. How
-the call ended becomes the same :class:`~aiospawn._outcome.RankExit` a local
+the call ended becomes the same :class:`~aiospawn._core._outcome.RankExit` a local
 rank makes: ``fn``'s own frame when it returned, raised or called
 ``sys.exit()``; a worker process or node that died becomes an ``EXITED`` frame
 saying so, with Ray's account of it as the exit's note.
@@ -16,27 +16,41 @@ import re
 import signal
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 from anyio.lowlevel import checkpoint
 
-from ._child import encode_exception
-from ._outcome import RankExit
-from ._ray_bridge import done_event
-from ._wire import Kind
+from aiospawn._core._backend import OnExit
+from aiospawn._core._outcome import RankExit
+from aiospawn._rank.wire import Kind, encode_exception
 
-if TYPE_CHECKING:
-    from ._ray_group import RayLauncher
-
-OnExit = Callable[[RankExit], None]
+from ._bridge import done_event
 
 
 class RayRank:
-    """One attempt at one rank, run by a Ray actor (see ``_backend.RankHandle``)."""
+    """One attempt at one rank, run by a Ray actor (see ``_backend.RankHandle``).
 
-    def __init__(self, launcher: RayLauncher, index: int, restart: int, on_exit: OnExit) -> None:
-        self._launcher = launcher
+    Args:
+        index: The rank.
+        restart: The attempt number.
+        on_exit: Called once with the attempt's exit.
+        ray: The ``ray`` module (imported by the launcher, never here).
+        post: Posts a signal for the rank's process on the group's board,
+            ``post(key, signum)``.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        restart: int,
+        on_exit: OnExit,
+        *,
+        ray: Any,
+        post: Callable[[str, int], None],
+    ) -> None:
+        self._ray = ray
+        self._post = post
         self.rank = index
         self.restart = restart
         self._on_exit = on_exit
@@ -125,9 +139,9 @@ class RayRank:
         self._stopped_by_us = True
         self._last_signal = signum
         if signum == signal.SIGKILL:
-            self._launcher.ray.kill(self.actor, no_restart=True)
+            self._ray.kill(self.actor, no_restart=True)
         else:
-            self._launcher.send(self._key, signum)
+            self._post(self._key, signum)
         return True
 
     def last_beat(self) -> float | None:
@@ -140,7 +154,7 @@ class RayRank:
         return None
 
     def _finish(self, future: Future[Any]) -> None:
-        ray = self._launcher.ray
+        ray = self._ray
         pid = self._pid if self._pid is not None else 0
         where = self._where()
         frame: tuple[int, bytes] | None

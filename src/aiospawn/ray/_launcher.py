@@ -1,15 +1,15 @@
 """A group's ranks as Ray actors: gang reservation, start, exit detection, stop.
 
 The supervisor side of ``aiospawn.ray.RayBackend``; the cluster side is
-``_ray_actor``. One group, from the supervisor's point of view::
+``_actor``. One group, from the supervisor's point of view::
 
     open()   connect (once per process) ─► placement group, one bundle per rank,
              reserved all at once or not at all (placement_timeout) ─► layout:
              which node each rank runs on, local ranks, node ranks
     start()  one actor per rank, pinned to its bundle ─► describe() (pid, node)
              and rank 0's free port ─► run(fn, rank, args, env) submitted
-    wait()   the run() result is the rank's sentinel (``_ray_rank``), waited
-             on through its future (``_ray_bridge``), never a blocking ray.get
+    wait()   the run() result is the rank's sentinel (``_rank``), waited
+             on through its future (``_bridge``), never a blocking ray.get
     stop     SIGTERM and other signals through the group's SignalBoard;
              SIGKILL is ray.kill
     aclose() kill every actor and the board, remove the placement group
@@ -33,11 +33,13 @@ from typing import Any
 import anyio
 from anyio.lowlevel import checkpoint
 
-from ._launch import LaunchSpec, rank_environment
-from ._ray_bridge import get
-from ._ray_rank import OnExit, RayRank
-from ._rendezvous import torchrun_environment
-from ._shield import run_to_completion
+from aiospawn._core._backend import OnExit
+from aiospawn._core._concurrency import run_to_completion
+from aiospawn._core._env import rank_environment, torchrun_environment
+from aiospawn._core._spec import LaunchSpec
+
+from ._bridge import get
+from ._rank import RayRank
 
 #: A resource only Ray's head node has.
 HEAD_NODE_RESOURCE = "node:__internal_head__"
@@ -53,10 +55,10 @@ _actor_classes: dict[str, Any] = {}
 def _actor_class(name: str) -> Any:
     import ray
 
-    from . import _ray_actor
+    from . import _actor
 
     if name not in _actor_classes:
-        _actor_classes[name] = ray.remote(getattr(_ray_actor, name))
+        _actor_classes[name] = ray.remote(getattr(_actor, name))
     return _actor_classes[name]
 
 
@@ -209,7 +211,7 @@ class RayLauncher:
 
     def make_rank(self, index: int, restart: int, on_exit: OnExit) -> RayRank:
         """Create, without starting, attempt number ``restart`` of rank ``index``."""
-        return RayRank(self, index, restart, on_exit)
+        return RayRank(index, restart, on_exit, ray=self.ray, post=self.send)
 
     async def start(self, ranks: Sequence[RayRank]) -> None:
         """Start ``ranks`` together; return once each has been handed ``fn``.

@@ -28,6 +28,13 @@ them raises ``ValueError`` before anything is reserved.
 ``import aiospawn.ray`` works without Ray installed; constructing a
 :class:`RayBackend` raises ``ImportError`` naming the extra to install
 (``pip install "aiospawn[ray]"``).
+
+Layout and import rule: this public package holds private modules,
+``_launcher`` (the group's launcher: placement, actors, signal board),
+``_rank`` (one rank attempt's handle), ``_actor`` (the classes that run on
+the cluster), ``_bridge`` (Ray futures to the event loop). They may import
+the standard library, anyio, ray (lazily: never at import time),
+``aiospawn._core`` and ``aiospawn._rank``; never ``aiospawn._local``.
 """
 
 from __future__ import annotations
@@ -37,11 +44,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
-from ._launch import LaunchSpec
-from ._output import CaptureBuffer
+from aiospawn._core._capture import CaptureBuffer
+from aiospawn._core._spec import LaunchSpec
 
 if TYPE_CHECKING:
-    from ._ray_group import RayLauncher
+    from ._launcher import RayLauncher
 
 __all__ = ["PLACEMENT_STRATEGIES", "RayBackend"]
 
@@ -130,7 +137,7 @@ class RayBackend:
         Cancellation:
             Whatever was reserved is released before the cancellation propagates.
         """
-        from ._ray_group import RayLauncher
+        from ._launcher import RayLauncher
 
         _check_spec(spec, capture)
         return await RayLauncher.open(spec, self)

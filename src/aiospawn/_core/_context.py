@@ -43,6 +43,8 @@ import anyio.abc
 from anyio.lowlevel import checkpoint
 
 from ._backend import Backend, GroupLauncher, RankHandle
+from ._capture import CaptureBuffer, OutputLine
+from ._concurrency import run_to_completion
 from ._errors import ProcessException, ProcessRaisedException, raised_message, signal_name
 from ._events import (
     Event,
@@ -56,12 +58,11 @@ from ._events import (
     Stopped,
     Terminating,
 )
-from ._launch import LaunchSpec, check_seconds
+from ._log import logger
 from ._outcome import Hang, RankExit
-from ._output import CaptureBuffer, OutputLine
 from ._policy import RestartPolicy, RestartRecord
-from ._shield import run_to_completion
-from ._shutdown import Shutdown, logger
+from ._shutdown import Shutdown
+from ._spec import LaunchSpec, check_seconds
 
 __all__ = ["AsyncProcessContext"]
 

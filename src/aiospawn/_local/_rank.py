@@ -25,11 +25,12 @@ from multiprocessing.process import BaseProcess
 
 import anyio
 
-from ._outcome import RankExit
+from aiospawn._core._outcome import RankExit
+from aiospawn._rank.wire import ChildEnd, FrameReader
+
 from ._output import RankOutput
 from ._pipes import close_watched
 from ._progress import RankProgress
-from ._wire import ChildEnd, FrameReader
 
 _READ_CHUNK = 256 * 1024
 

@@ -1,0 +1,17 @@
+"""Code that runs inside a rank's process.
+
+Everything here runs before, around or beside the user's ``fn`` in every
+rank, so it imports the **standard library only**, and nothing of the
+supervisor (no anyio, no asyncio, nothing from ``aiospawn._core``,
+``aiospawn._local`` or ``aiospawn.ray``): a rank costs the interpreter plus
+the user's own imports. ``tests/test_public_api.py`` checks this rule in a
+clean interpreter.
+
+- ``bootstrap``: :func:`~aiospawn._rank.bootstrap.run_rank`, the
+  ``multiprocessing`` target of a local rank, and its guards.
+- ``api``: what the rank's own code calls (``aiospawn.heartbeat()``,
+  ``aiospawn.restart_count()``).
+- ``wire``: what a rank and its supervisor agree on (the outcome frame, its
+  encoders, shared constants).
+- ``programs``: the rank functions behind ``aiospawn run``.
+"""

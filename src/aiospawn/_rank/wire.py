@@ -1,0 +1,190 @@
+"""What a rank and its supervisor agree on: the outcome frame and a few constants.
+
+How ``fn`` ended travels as one frame, which a rank writes on its private pipe
+just before it exits::
+
+    +----------+------------------+---------------------+
+    | kind: 1B | size: 8B, big-end | payload: size bytes |
+    +----------+------------------+---------------------+
+
+The frame carries its own length, so the supervisor knows when it is complete
+without waiting for end-of-file: a grandchild that inherited the pipe's write
+end would otherwise hold the supervisor up until it exits too.
+
+The encoders are here too, beside the format they write, for every backend:
+a local rank writes the frame to its pipe, a Ray rank hands it back from its
+actor call. The supervisor decodes frames in ``aiospawn._core._outcome``.
+
+Part of the rank-side package: standard library only.
+"""
+
+from __future__ import annotations
+
+import pickle
+import signal
+import struct
+from collections.abc import Callable
+from typing import Any, Final
+
+HEADER = struct.Struct("!BQ")
+
+#: The variable that holds a rank's restart count (see :func:`restart_count`).
+RESTART_COUNT_VAR = "AIOSPAWN_RESTART_COUNT"
+
+#: The signal on which a rank writes every thread's stack to the supervisor,
+#: when the group watches heartbeats. A real-time signal: programs rarely use
+#: them, unlike SIGUSR1 and SIGUSR2.
+STACK_SIGNAL = signal.SIGRTMIN + 3
+
+#: The size of a rank's heartbeat slot: a ``time.monotonic_ns()``, then a
+#: word the rank sets to 1 once it answers :data:`STACK_SIGNAL` (before, the
+#: signal's default action would end it).
+BEAT_BYTES = 16
+
+
+class Kind:
+    """What a frame's payload holds (plain ints: an enum would cost every rank its set-up)."""
+
+    #: ``pickle(value)``: ``fn`` returned, or called ``sys.exit()`` with 0 or None.
+    RETURNED: Final = 1
+    #: ``pickle((exception_pickle_or_None, type_name, traceback_text))``.
+    RAISED: Final = 2
+    #: ``pickle((exit_code, text_or_None))``: ``fn`` called ``sys.exit(n)``.
+    EXITED: Final = 3
+
+
+class ChildEnd:
+    """A pipe end handed to a rank: a plain fd, duplicated into the rank when pickled.
+
+    ``multiprocessing`` pickles a rank's arguments under ``spawn`` and
+    ``forkserver``; there, the fd is passed with the process (its ``DupFd``
+    mechanism), and the rank gets a ``ChildEnd`` of its own copy. Under ``fork``
+    the object is inherited as it is. Unlike ``multiprocessing.connection``'s
+    objects it costs the rank no imports.
+    """
+
+    __slots__ = ("fd",)
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        from multiprocessing import reduction
+
+        return _rebuild_child_end, (reduction.DupFd(self.fd),)
+
+    def __repr__(self) -> str:
+        return f"<ChildEnd fd={self.fd}>"
+
+
+def _rebuild_child_end(duplicate: Any) -> ChildEnd:
+    return ChildEnd(duplicate.detach())
+
+
+def header(kind: int, size: int) -> bytes:
+    """Return the header that precedes a payload of ``size`` bytes."""
+    return HEADER.pack(kind, size)
+
+
+class FrameReader:
+    """Reassembles one frame from the chunks read off the pipe."""
+
+    def __init__(self) -> None:
+        self._chunks: list[bytes] = []
+        self._buffered = 0
+        self._kind: int | None = None
+        self._size = 0
+
+    @property
+    def complete(self) -> bool:
+        """True once the whole frame has been fed."""
+        return self._kind is not None and self._buffered >= self._size
+
+    @property
+    def wanted(self) -> int:
+        """How many more bytes the frame needs (an upper bound before the header)."""
+        if self._kind is None:
+            return HEADER.size - self._buffered
+        return self._size - self._buffered
+
+    def feed(self, data: bytes) -> None:
+        """Add bytes read from the pipe (at most :attr:`wanted` at a time)."""
+        self._chunks.append(data)
+        self._buffered += len(data)
+        if self._kind is None and self._buffered >= HEADER.size:
+            joined = b"".join(self._chunks)
+            self._kind, self._size = HEADER.unpack_from(joined)
+            rest = joined[HEADER.size :]
+            self._chunks = [rest]
+            self._buffered = len(rest)
+
+    def frame(self) -> tuple[int, bytes] | None:
+        """Return ``(kind, payload)`` once complete, else ``None``."""
+        if not self.complete:
+            return None
+        assert self._kind is not None
+        payload = b"".join(self._chunks)
+        self._chunks = [payload]
+        return self._kind, payload
+
+
+#: ``(kind, payload, exit_code)``: the frame a rank sends, and the exit code it then has.
+Outcome = tuple[int, bytes, int]
+
+
+def call(fn: Callable[..., Any], rank: int, args: tuple[Any, ...]) -> Outcome:
+    """Run ``fn(rank, *args)`` here and encode how it ended (the contract is in ``bootstrap``).
+
+    For backends whose ranks hand their frame back rather than write it to a pipe.
+    """
+    try:
+        value = fn(rank, *args)
+    except SystemExit as exc:
+        return encode_exit(exc)
+    except BaseException as exc:
+        return Kind.RAISED, encode_exception(from_fn(exc)), 1
+    return encode_value(value)
+
+
+def encode_value(value: Any) -> Outcome:
+    """The frame of a returned value, or of the TypeError if it cannot be pickled."""
+    try:
+        payload = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        error = TypeError(f"the value returned by the rank cannot be pickled: {exc}")
+        error.__cause__ = exc
+        return Kind.RAISED, encode_exception(error), 1
+    return Kind.RETURNED, payload, 0
+
+
+def encode_exit(exc: SystemExit) -> Outcome:
+    """The frame of ``sys.exit(code)``: success for ``None`` and 0, else EXITED."""
+    if exc.code is None or exc.code == 0:
+        return encode_value(None)
+    code = exc.code if isinstance(exc.code, int) else 1
+    text = None if isinstance(exc.code, int) else f"sys.exit({exc.code!r})"
+    return Kind.EXITED, pickle.dumps((code, text)), code
+
+
+def encode_exception(exc: BaseException, text: str | None = None) -> bytes:
+    """The payload of a RAISED frame: the pickled exception if it pickles, its type, its text.
+
+    ``text`` defaults to the formatted traceback of ``exc``.
+    """
+    if text is None:
+        import traceback
+
+        text = "".join(traceback.format_exception(exc))
+    type_name = f"{type(exc).__module__}.{type(exc).__qualname__}"
+    try:
+        exc_pickle: bytes | None = pickle.dumps(exc, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:
+        exc_pickle = None
+    return pickle.dumps((exc_pickle, type_name, text))
+
+
+def from_fn(exc: BaseException) -> BaseException:
+    # The traceback starts in fn: the bootstrap's own frame is not the user's.
+    if exc.__traceback__ is not None and exc.__traceback__.tb_next is not None:
+        return exc.with_traceback(exc.__traceback__.tb_next)
+    return exc
