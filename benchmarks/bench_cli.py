@@ -33,7 +33,7 @@ NPROCS = 2
 
 #: What the launcher imports before it starts a rank, and what each rank imports.
 LAUNCHER_IMPORTS = "import aiospawn._cli, aiospawn._api, anyio, asyncio, anyio._backends._asyncio"
-RANK_IMPORTS = "import multiprocessing.spawn, aiospawn._child, aiospawn._cli, runpy"
+RANK_IMPORTS = "import multiprocessing.spawn, aiospawn._rank.bootstrap, aiospawn._cli, runpy"
 
 
 def _timed(commands: list[list[str]], env: dict[str, str], cwd: str) -> float:

@@ -97,8 +97,8 @@ def _worker(name: str, quick: bool, backend: str, json_path: str) -> int:
 
 #: What the workers and their ranks import, compiled once before anything is timed.
 _WARM_IMPORTS = (
-    "import anyio, psutil, aiospawn._api, aiospawn._child, aiospawn._cli, torch.multiprocessing,"
-    " multiprocessing.forkserver, multiprocessing.popen_spawn_posix,"
+    "import anyio, psutil, aiospawn._api, aiospawn._rank.bootstrap, aiospawn._cli,"
+    " torch.multiprocessing, multiprocessing.forkserver, multiprocessing.popen_spawn_posix,"
     " multiprocessing.popen_forkserver, multiprocessing.popen_fork"
 )
 
