@@ -95,7 +95,7 @@ async def _node_loss(
         await ctx.join()
     except aiospawn.ProcessExitedException as exc:
         detected = time.monotonic()
-        result.note(f"{case}: reported as {exc.msg.rpartition('): ')[2] or exc.msg!r}.")
+        result.note(f"{case}: reported as: {exc.msg.rpartition('): ')[2] or exc.msg}")
     else:
         raise AssertionError("the group did not fail")
     # A fresh worker node for the next trial, outside the timing.
