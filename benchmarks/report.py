@@ -132,56 +132,62 @@ def _bound_check(target: str, row: str, value: float | None, bound: float, unit:
     )
 
 
+def _against_peers(
+    results: dict[str, ScenarioResult],
+    scenario: str,
+    metrics: tuple[str, ...],
+    targets: list[tuple[str, str, Callable[[float, float], bool]]],
+) -> list[Check]:
+    """aiospawn's median against each ``(target, peer, passes)``, for every case and metric.
+
+    A row names the case, and the metric too when there are several.
+    """
+    found: list[Check] = []
+    if scenario not in results:
+        return found
+    for case in dict.fromkeys(s.case for s in results[scenario].series):
+        for metric in metrics:
+            row = case if len(metrics) == 1 else f"{case}, {metric}"
+            ours = _median(results, scenario, case, metric, "aiospawn")
+            for target, peer, passes in targets:
+                theirs = _median(results, scenario, case, metric, peer)
+                found.append(_ratio_check(target, row, ours, theirs, passes, peer))
+    return found
+
+
 def checks(results: dict[str, ScenarioResult]) -> list[Check]:
     """Every target of the brief, checked on the medians."""
     found: list[Check] = []
-    if "startup" in results:
-        startup = results["startup"]
-        for case in dict.fromkeys(s.case for s in startup.series):
-            for metric in ("all running [ms]", "joined [ms]"):
-                row = f"{case}, {metric}"
-                ours = _median(results, "startup", case, metric, "aiospawn")
-                floor = _median(results, "startup", case, metric, "multiprocessing")
-                torch = _median(results, "startup", case, metric, "torch")
-                found.append(
-                    _ratio_check(
-                        "start-up within 1.2x of multiprocessing",
-                        row,
-                        ours,
-                        floor,
-                        lambda a, b: a <= 1.2 * b,
-                        "multiprocessing",
-                    )
-                )
-                found.append(
-                    _ratio_check(
-                        "start-up faster than torch", row, ours, torch, lambda a, b: a < b, "torch"
-                    )
-                )
-    if "large_arg" in results:
-        for case in dict.fromkeys(s.case for s in results["large_arg"].series):
-            metric = "all running [ms]"
-            ours = _median(results, "large_arg", case, metric, "aiospawn")
-            found.append(
-                _ratio_check(
-                    "large-arg start >= 3x faster than torch sequential",
-                    case,
-                    ours,
-                    _median(results, "large_arg", case, metric, "torch sequential"),
-                    lambda a, b: 3 * a <= b,
-                    "torch sequential",
-                )
-            )
-            found.append(
-                _ratio_check(
-                    "large-arg start no slower than torch parallel",
-                    case,
-                    ours,
-                    _median(results, "large_arg", case, metric, "torch parallel"),
-                    lambda a, b: a <= b,
-                    "torch parallel",
-                )
-            )
+    found += _against_peers(
+        results,
+        "startup",
+        ("all running [ms]", "joined [ms]"),
+        [
+            (
+                "start-up within 1.2x of multiprocessing",
+                "multiprocessing",
+                lambda a, b: a <= 1.2 * b,
+            ),
+            ("start-up faster than torch", "torch", lambda a, b: a < b),
+        ],
+    )
+    found += _against_peers(
+        results,
+        "large_arg",
+        ("all running [ms]",),
+        [
+            (
+                "large-arg start >= 3x faster than torch sequential",
+                "torch sequential",
+                lambda a, b: 3 * a <= b,
+            ),
+            (
+                "large-arg start no slower than torch parallel",
+                "torch parallel",
+                lambda a, b: a <= b,
+            ),
+        ],
+    )
     if "failure" in results:
         for case in dict.fromkeys(s.case for s in results["failure"].series):
             join = _median(results, "failure", case, "raised [ms]", "aiospawn join")
@@ -224,36 +230,25 @@ def checks(results: dict[str, ScenarioResult]) -> list[Check]:
                 found.append(
                     _bound_check("teardown of cooperative ranks < 200 ms", case, value, 200.0, "ms")
                 )
-    if "cli" in results:
-        for case in dict.fromkeys(s.case for s in results["cli"].series):
-            metric = "start to exit [ms]"
-            ours = _median(results, "cli", case, metric, "aiospawn")
-            found.append(
-                _ratio_check(
-                    "launcher within 1.5x of two plain python runs",
-                    case,
-                    ours,
-                    _median(results, "cli", case, metric, "python x2"),
-                    lambda a, b: a <= 1.5 * b,
-                    "python x2",
-                )
-            )
-            found.append(
-                _ratio_check(
-                    "launcher >= 5x faster than torchrun",
-                    case,
-                    ours,
-                    _median(results, "cli", case, metric, "torchrun"),
-                    lambda a, b: 5 * a <= b,
-                    "torchrun",
-                )
-            )
     if "idle" in results:
         for case in dict.fromkeys(s.case for s in results["idle"].series):
             value = _median(results, "idle", case, "CPU while asleep [% of a core]", "aiospawn")
             found.append(
                 _bound_check("idle supervisor CPU < 0.5 % of a core", case, value, 0.5, "%")
             )
+    found += _against_peers(
+        results,
+        "cli",
+        ("start to exit [ms]",),
+        [
+            (
+                "launcher within 1.5x of two plain python runs",
+                "python x2",
+                lambda a, b: a <= 1.5 * b,
+            ),
+            ("launcher >= 5x faster than torchrun", "torchrun", lambda a, b: 5 * a <= b),
+        ],
+    )
     return found
 
 
