@@ -15,13 +15,11 @@ import multiprocessing.util
 import os
 import shutil
 import tempfile
-import time
 from collections.abc import Iterator
 
-import psutil
 import pytest
 
-from tests.helpers import Events
+from tests.helpers import Events, live_children, open_fds, wait_until
 
 
 @pytest.fixture(
@@ -57,36 +55,6 @@ def _process_wide_setup() -> Iterator[None]:
     tempfile.tempdir = saved[1]
 
 
-def open_fds() -> set[str]:
-    """Descriptors of the kinds aiospawn opens: pipes and pidfds, as fd:target."""
-    fds = set()
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:  # the listing's own fd, closed meanwhile
-            continue
-        if target.startswith("pipe:") or target == "anon_inode:[pidfd]":
-            fds.add(f"{name}:{target}")
-    return fds
-
-
-def live_children() -> set[int]:
-    """Pids of this process's descendants, zombies included."""
-    return {child.pid for child in psutil.Process().children(recursive=True)}
-
-
-def wait_until(predicate: object, seconds: float = 5.0) -> bool:
-    """Retry ``predicate()`` briefly: the kernel finishes some exits a moment later."""
-    assert callable(predicate)
-    deadline = time.monotonic() + seconds
-    while True:
-        if predicate():
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-
-
 @pytest.fixture
 def events() -> Iterator[Events]:
     """A pipe the ranks report on: the test reads the first end, ranks get the second."""
@@ -94,6 +62,16 @@ def events() -> Iterator[Events]:
     yield reader, writer
     reader.close()
     writer.close()
+
+
+@pytest.fixture
+def no_process_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make any ``Process.start()`` fail the test: the call must refuse before it."""
+
+    def refuse(self: multiprocessing.process.BaseProcess) -> None:
+        raise AssertionError(f"{self!r} was started")
+
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
 
 
 @pytest.fixture(autouse=True)

@@ -1,14 +1,19 @@
-"""Helpers shared by the tests: the ranks' report pipe, and checks on pids."""
+"""Helpers shared by the tests: the ranks' report pipe, tripwires, and checks on processes and fds.
+
+Fixtures live in ``conftest.py``; everything else the tests share is here.
+"""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import time
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from multiprocessing.connection import Connection
 from typing import Any
 
 import anyio
+import psutil
 import pytest
 
 #: ``(reader, writer)``: the test reads the first end, the ranks write to the second.
@@ -42,6 +47,30 @@ async def receive_ready(reader: Connection, nprocs: int) -> dict[int, int]:
     return pids
 
 
+async def cancel_once_ready(
+    call: Callable[[], Awaitable[object]], reader: Connection, nprocs: int
+) -> dict[int, int]:
+    """Run ``call()`` in a task, cancel it once ``nprocs`` ranks said ready; return their pids.
+
+    The scaffold of the cancellation tests: the cancellation comes only when
+    the ranks are running and the call is blocked, and the call must end by
+    that cancellation (not by finishing first, not by an error).
+    """
+    scope = anyio.CancelScope()
+
+    async def run() -> None:
+        with scope:
+            await call()
+        assert scope.cancelled_caught, "the call ended before it was cancelled"
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run)
+        pids = await receive_ready(reader, nprocs)
+        await anyio.wait_all_tasks_blocked()
+        scope.cancel()
+    return pids
+
+
 def drain(reader: Connection) -> list[Any]:
     """Everything the ranks sent that has not been read yet."""
     messages = []
@@ -50,10 +79,60 @@ def drain(reader: Connection) -> list[Any]:
     return messages
 
 
-def is_gone(pid: int) -> bool:
-    """True once ``pid`` has exited and been reaped (a zombie still exists)."""
+def is_reaped(pid: int) -> bool:
+    """True once ``pid`` has exited and been reaped: a zombie still exists.
+
+    For our own ranks, which aiospawn must reap before its call returns.
+    """
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return True
     return False
+
+
+def is_gone(pid: int) -> bool:
+    """True if ``pid`` no longer runs: no such process, or a zombie.
+
+    For processes that are not our children (a launcher's ranks, a rank's
+    children), whose reaping is somebody else's.
+    """
+    try:
+        return bool(psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return True
+
+
+def is_running(pid: int) -> bool:
+    """True if ``pid`` is a live process (a zombie is dead)."""
+    return not is_gone(pid)
+
+
+def open_fds() -> set[str]:
+    """Descriptors of the kinds aiospawn opens: pipes and pidfds, as fd:target."""
+    fds = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:  # the listing's own fd, closed meanwhile
+            continue
+        if target.startswith("pipe:") or target == "anon_inode:[pidfd]":
+            fds.add(f"{name}:{target}")
+    return fds
+
+
+def live_children() -> set[int]:
+    """Pids of this process's descendants, zombies included."""
+    return {child.pid for child in psutil.Process().children(recursive=True)}
+
+
+def wait_until(predicate: object, seconds: float = 5.0) -> bool:
+    """Retry ``predicate()`` briefly: the kernel finishes some exits a moment later."""
+    assert callable(predicate)
+    deadline = time.monotonic() + seconds
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)

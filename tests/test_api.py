@@ -10,6 +10,7 @@ import logging
 import multiprocessing
 import multiprocessing.context
 import multiprocessing.process
+from functools import partial
 from typing import Any
 
 import anyio
@@ -18,22 +19,12 @@ import pytest
 import aiospawn
 from aiospawn._core._spec import max_nprocs
 from tests import ranks
-from tests.helpers import Events, drain, is_gone, receive, receive_ready
+from tests.helpers import Events, cancel_once_ready, drain, is_reaped, receive, receive_ready
 
 pytestmark = pytest.mark.anyio
 
 #: More than a pipe buffer: a start that sends it stays in flight until the rank reads it.
 BIG = b"x" * (1 << 20)
-
-
-@pytest.fixture
-def no_start(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fail the test if any process is started."""
-
-    def start(self: multiprocessing.process.BaseProcess) -> None:
-        raise AssertionError(f"{self!r} was started")
-
-    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", start)
 
 
 async def enter(entry: str, fn: Any, args: Any = (), nprocs: Any = 1, **kwargs: Any) -> None:
@@ -84,14 +75,14 @@ async def test_spawn_with_another_start_method_warns_and_uses_spawn(start_method
 
 @ENTRIES
 @pytest.mark.parametrize("nprocs", [0, -1, True, 1.5, "2"])
-@pytest.mark.usefixtures("no_start")
+@pytest.mark.usefixtures("no_process_start")
 async def test_an_invalid_nprocs_is_rejected(entry: str, nprocs: Any) -> None:
     with pytest.raises(ValueError, match=r"nprocs must be a positive int, got "):
         await enter(entry, ranks.identity, (), nprocs)
 
 
 @ENTRIES
-@pytest.mark.usefixtures("no_start")
+@pytest.mark.usefixtures("no_process_start")
 async def test_an_nprocs_over_the_limit_is_rejected_naming_the_limit(entry: str) -> None:
     limit = max_nprocs()
     if limit >= 10**6:
@@ -108,14 +99,14 @@ async def test_an_nprocs_over_the_limit_is_rejected_naming_the_limit(entry: str)
         pytest.param(ranks.identity, 5, "args must be a tuple or list", id="args-not-a-sequence"),
     ],
 )
-@pytest.mark.usefixtures("no_start")
+@pytest.mark.usefixtures("no_process_start")
 async def test_a_bad_fn_or_args_is_a_type_error(entry: str, fn: Any, args: Any, match: str) -> None:
     with pytest.raises(TypeError, match=match):
         await enter(entry, fn, args, 2)
 
 
 @pytest.mark.parametrize("entry", ["start_processes", "open_group"])
-@pytest.mark.usefixtures("no_start")
+@pytest.mark.usefixtures("no_process_start")
 async def test_an_unknown_start_method_is_rejected(entry: str) -> None:
     with pytest.raises(ValueError, match=r"start_method must be one of .*got 'spwan'"):
         await enter(entry, ranks.identity, (), 2, start_method="spwan")
@@ -123,14 +114,14 @@ async def test_an_unknown_start_method_is_rejected(entry: str) -> None:
 
 @ENTRIES
 @pytest.mark.parametrize("grace_period", [-1, float("nan")])
-@pytest.mark.usefixtures("no_start")
+@pytest.mark.usefixtures("no_process_start")
 async def test_a_negative_grace_period_is_rejected(entry: str, grace_period: float) -> None:
     with pytest.raises(ValueError, match=r"grace_period must be a non-negative number"):
         await enter(entry, ranks.identity, (), 2, grace_period=grace_period)
 
 
 @pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
-@pytest.mark.usefixtures("no_start")
+@pytest.mark.usefixtures("no_process_start")
 async def test_a_lambda_or_local_function_is_rejected_under_spawn_and_forkserver(
     start_method: str,
 ) -> None:
@@ -235,7 +226,7 @@ async def test_an_exception_in_the_block_stops_the_ranks_and_propagates_unchange
         await block()
     assert info.value is error
     assert sorted(drain(reader)) == [("SIGTERM", 0), ("SIGTERM", 1)]
-    assert all(is_gone(pid) for pid in pids.values())
+    assert all(is_reaped(pid) for pid in pids.values())
 
 
 @pytest.mark.parametrize("start_method", ["spawn", "fork"])
@@ -261,7 +252,7 @@ async def test_a_rank_failing_cancels_the_blocked_body_and_the_block_raises_its_
     assert info.value.error_index == 1
     assert not body_went_on
     assert anyio.current_time() - start < 20  # not the 30 s default grace period
-    assert all(is_gone(pid) for pid in pids)
+    assert all(is_reaped(pid) for pid in pids)
 
 
 # Cancellation
@@ -272,26 +263,17 @@ async def test_cancelling_start_processes_terminates_the_ranks_gracefully(
     start_method: str, events: Events
 ) -> None:
     reader, writer = events
-    scope = anyio.CancelScope()
-
-    async def run() -> None:
-        with scope:
-            await aiospawn.start_processes(
-                ranks.api_record_sigterm,
-                (writer,),
-                nprocs=2,
-                start_method=start_method,
-                grace_period=1,
-            )
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(run)
-        pids = await receive_ready(reader, 2)
-        await anyio.wait_all_tasks_blocked()
-        scope.cancel()
-    assert scope.cancelled_caught
+    start = partial(
+        aiospawn.start_processes,
+        ranks.api_record_sigterm,
+        (writer,),
+        nprocs=2,
+        start_method=start_method,
+        grace_period=1,
+    )
+    pids = await cancel_once_ready(start, reader, 2)
     assert sorted(drain(reader)) == [("SIGTERM", 0), ("SIGTERM", 1)]
-    assert all(is_gone(pid) for pid in pids.values())
+    assert all(is_reaped(pid) for pid in pids.values())
 
 
 @pytest.mark.parametrize("start_method", ["spawn", "fork"])
@@ -299,27 +281,20 @@ async def test_cancelling_the_scope_around_open_group_terminates_the_ranks_grace
     start_method: str, events: Events
 ) -> None:
     reader, writer = events
-    scope = anyio.CancelScope()
 
-    async def run() -> None:
-        with scope:
-            async with aiospawn.open_group(
-                ranks.api_record_sigterm,
-                (writer,),
-                nprocs=2,
-                start_method=start_method,
-                grace_period=1,
-            ):
-                await anyio.sleep_forever()
+    async def supervise() -> None:
+        async with aiospawn.open_group(
+            ranks.api_record_sigterm,
+            (writer,),
+            nprocs=2,
+            start_method=start_method,
+            grace_period=1,
+        ):
+            await anyio.sleep_forever()
 
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(run)
-        pids = await receive_ready(reader, 2)
-        await anyio.wait_all_tasks_blocked()
-        scope.cancel()
-    assert scope.cancelled_caught
+    pids = await cancel_once_ready(supervise, reader, 2)
     assert sorted(drain(reader)) == [("SIGTERM", 0), ("SIGTERM", 1)]
-    assert all(is_gone(pid) for pid in pids.values())
+    assert all(is_reaped(pid) for pid in pids.values())
 
 
 async def test_a_second_cancellation_does_not_abandon_the_ranks(
@@ -346,7 +321,7 @@ async def test_a_second_cancellation_does_not_abandon_the_ranks(
         assert reports == {("SIGTERM", 0), ("SIGTERM", 1)}
         outer.cancel()
     assert outer.cancelled_caught or inner.cancelled_caught
-    assert all(is_gone(pid) for pid in pids.values())
+    assert all(is_reaped(pid) for pid in pids.values())
     kills = [r.getMessage() for r in caplog.records if "SIGKILL" in r.getMessage()]
     assert len(kills) == 2
 
@@ -377,7 +352,7 @@ async def test_cancelling_while_the_ranks_start_leaves_no_process_behind(
         await anyio.wait_all_tasks_blocked()
         release.set()  # the ranks' imports finish; the starts complete
     assert scope.cancelled_caught
-    assert all(is_gone(pid) for pid in pids)
+    assert all(is_reaped(pid) for pid in pids)
 
 
 # The event loop keeps running

@@ -14,7 +14,7 @@ import pytest
 
 import aiospawn
 from tests import ranks
-from tests.helpers import Events, drain, is_gone, receive, receive_ready
+from tests.helpers import Events, drain, is_reaped, receive, receive_ready
 
 
 @pytest.mark.asyncio
@@ -48,7 +48,7 @@ async def test_asyncio_timeout_raises_timeout_error_after_every_rank_is_reaped(
 
     with pytest.raises(TimeoutError):
         await supervise()
-    assert all(is_gone(pid) for pid in pids.values())
+    assert all(is_reaped(pid) for pid in pids.values())
     assert sorted(drain(reader)) == [("SIGTERM", 0), ("SIGTERM", 1)]
 
 
@@ -60,7 +60,7 @@ async def test_wait_for_times_out_after_every_rank_is_reaped(events: Events) -> 
         await asyncio.wait_for(call, timeout=2)
     messages = drain(reader)
     ready = {message[1]: message[2] for message in messages if message[0] == "ready"}
-    assert all(is_gone(pid) for pid in ready.values())
+    assert all(is_reaped(pid) for pid in ready.values())
     # Every rank that was running got a SIGTERM first.
     terms = sorted(message for message in messages if message[0] == "SIGTERM")
     assert terms == [("SIGTERM", rank) for rank in sorted(ready)]
@@ -89,7 +89,7 @@ async def test_a_failing_sibling_in_a_task_group_cancels_start_processes(
     with pytest.raises(ExceptionGroup) as info:
         await supervise()
     assert [type(exc) for exc in info.value.exceptions] == [ValueError]
-    assert all(is_gone(pid) for pid in pids.values())
+    assert all(is_reaped(pid) for pid in pids.values())
     assert sorted(drain(reader)) == [("SIGTERM", 0), ("SIGTERM", 1)]
 
 
@@ -120,6 +120,6 @@ async def test_a_second_native_cancel_does_not_abandon_the_ranks(
     task.cancel()
     await asyncio.wait([task])
     assert task.cancelled()
-    assert all(is_gone(pid) for pid in pids.values())
+    assert all(is_reaped(pid) for pid in pids.values())
     kills = [r.getMessage() for r in caplog.records if "SIGKILL" in r.getMessage()]
     assert len(kills) == 2

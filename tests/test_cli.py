@@ -31,7 +31,7 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.conftest import wait_until
+from tests.helpers import is_gone, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 PROGRAMS = Path(__file__).resolve().parent / "cli_programs"
@@ -91,14 +91,6 @@ def by_rank(stdout: str) -> dict[int, list[str]]:
 
 def json_by_rank(stdout: str) -> dict[int, Any]:
     return {rank: json.loads(lines[0]) for rank, lines in by_rank(stdout).items()}
-
-
-def is_gone(pid: int) -> bool:
-    """True if ``pid`` no longer runs: no such process, or a zombie."""
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 def session_members(sid: int) -> list[int]:

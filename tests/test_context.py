@@ -9,21 +9,13 @@ import signal
 from typing import Any
 
 import anyio
-import psutil
 import pytest
 
 import aiospawn
 from tests import ranks
-from tests.helpers import Events, drain, is_gone, receive, receive_ready
+from tests.helpers import Events, drain, is_reaped, is_running, receive, receive_ready
 
 pytestmark = pytest.mark.anyio
-
-
-def is_running(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 async def wait_exited_unreaped(pid: int) -> None:
@@ -213,7 +205,7 @@ async def test_terminate_is_idempotent_and_join_reports_the_lowest_stopped_rank(
     await ctx.terminate(1)
 
     assert sorted(drain(reader)) == [("SIGTERM", 0), ("SIGTERM", 1), ("SIGTERM", 2)]
-    assert all(is_gone(pid) for pid in pids.values())
+    assert all(is_reaped(pid) for pid in pids.values())
     assert len(aiospawn_records(caplog, logging.WARNING)) == 3  # one SIGTERM per rank
     for _ in range(2):
         with pytest.raises(aiospawn.ProcessExitedException) as info:
@@ -293,7 +285,7 @@ async def test_cancelling_join_terminates_the_ranks_gracefully_then_propagates(
         scope.cancel()
     assert scope.cancelled_caught
     assert sorted(drain(reader)) == [("SIGTERM", 0), ("SIGTERM", 1)]
-    assert all(is_gone(pid) for pid in pids.values())
+    assert all(is_reaped(pid) for pid in pids.values())
     # The group stays shut down: a later join() reports what the shutdown did.
     with pytest.raises(aiospawn.ProcessExitedException) as info:
         await ctx.join()
@@ -327,7 +319,7 @@ async def test_a_second_cancellation_of_join_does_not_abandon_the_ranks(
         }
         outer.cancel()
     assert outer.cancelled_caught or inner.cancelled_caught
-    assert all(is_gone(pid) for pid in pids.values())
+    assert all(is_reaped(pid) for pid in pids.values())
     assert [p.exitcode for p in ctx.processes] == [-signal.SIGKILL, -signal.SIGKILL]
     assert sum("SIGKILL" in message for message in aiospawn_records(caplog, logging.WARNING)) == 2
 
@@ -376,4 +368,4 @@ async def test_a_shorter_grace_period_hurries_a_shutdown_under_way(events: Event
         with anyio.fail_after(30, "terminate(grace_period=0) did not hurry the shutdown"):
             await ctx.terminate(grace_period=0)
     assert [process.exitcode for process in ctx.processes] == [-signal.SIGKILL] * 2
-    assert all(is_gone(pid) for pid in pids.values())
+    assert all(is_reaped(pid) for pid in pids.values())

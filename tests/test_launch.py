@@ -23,7 +23,7 @@ import pytest
 
 import aiospawn
 from tests import ranks
-from tests.conftest import live_children, wait_until
+from tests.helpers import live_children, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -28,8 +28,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
+
+from tests.helpers import is_gone
 
 SUPERVISOR = Path(__file__).resolve().parent / "reliability_supervisor.py"
 STRESS = float(os.environ.get("AIOSPAWN_STRESS", "1"))
@@ -46,14 +47,6 @@ VARIANTS = {
     "supervisor-ignores-sigint": (True, False),
     "ranks-ignore-term-and-int": (False, True),
 }
-
-
-def is_gone(pid: int) -> bool:
-    """True if ``pid`` no longer runs: it does not exist, or it is a zombie."""
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 def ignored_signals(pid: int) -> set[int]:

@@ -30,8 +30,7 @@ import pytest
 import aiospawn
 from aiospawn import ProcessExitedException, ProcessRaisedException
 from tests import ray_ranks
-from tests.conftest import wait_until
-from tests.helpers import tripwire
+from tests.helpers import tripwire, wait_until
 
 ray = pytest.importorskip("ray")
 

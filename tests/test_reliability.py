@@ -45,7 +45,7 @@ import pytest
 
 import aiospawn
 from tests import ranks
-from tests.conftest import live_children, open_fds
+from tests.helpers import live_children, open_fds
 
 pytestmark = pytest.mark.anyio
 
@@ -536,16 +536,6 @@ async def test_a_finished_group_holds_no_fd_without_the_cyclic_gc(
 # --- 5. hostile input ----------------------------------------------------------------
 
 
-@pytest.fixture
-def no_process_may_start(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make any ``Process.start()`` fail the test: the call must refuse before it."""
-
-    def refuse(self: Any) -> None:
-        raise AssertionError(f"{self.name} was started")
-
-    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
-
-
 class RefusesSecondPickle:
     """Pickles once (as ``b""``); the second attempt raises: one rank starts, the next cannot."""
 
@@ -670,7 +660,7 @@ async def test_a_100_mb_argument_reaches_spawn_ranks() -> None:
 
 @pytest.mark.parametrize("nprocs", [0, -1, 2.0, "2", None, True, [2]])
 async def test_nprocs_that_is_not_a_positive_int_is_refused_before_any_fork(
-    nprocs: Any, no_process_may_start: None
+    nprocs: Any, no_process_start: None
 ) -> None:
     with pytest.raises((ValueError, TypeError)) as info:
         await aiospawn.start_processes(ranks.identity, (), nprocs, start_method="fork")
@@ -679,7 +669,7 @@ async def test_nprocs_that_is_not_a_positive_int_is_refused_before_any_fork(
 
 
 async def test_nprocs_beyond_what_the_process_can_hold_names_the_limit(
-    no_process_may_start: None,
+    no_process_start: None,
 ) -> None:
     with pytest.raises(ValueError, match="nprocs") as info:
         await aiospawn.start_processes(ranks.identity, (), 10**6, start_method="fork")
@@ -692,7 +682,7 @@ async def test_nprocs_beyond_what_the_process_can_hold_names_the_limit(
 
 @pytest.mark.parametrize("seconds", [-1, -0.001, float("nan"), float("-inf")])
 async def test_negative_seconds_are_refused_before_any_fork(
-    seconds: float, no_process_may_start: None
+    seconds: float, no_process_start: None
 ) -> None:
     with pytest.raises(ValueError, match="grace_period"):
         await aiospawn.start_processes(
@@ -729,7 +719,7 @@ async def test_negative_seconds_on_a_running_group_are_refused_and_change_nothin
 
 @pytest.mark.parametrize("method", ["spwan", "Spawn", "fork ", "", "thread", "forkserver\n"])
 async def test_start_method_typos_are_refused_before_any_fork(
-    method: str, no_process_may_start: None
+    method: str, no_process_start: None
 ) -> None:
     with pytest.raises(ValueError, match="start_method") as info:
         await aiospawn.start_processes(ranks.identity, (), 1, start_method=method)

@@ -14,7 +14,7 @@ import aiospawn
 import aiospawn._core._shutdown
 from aiospawn._local._rank import LocalRank
 from tests import ranks
-from tests.helpers import Events, drain, is_gone, receive_ready
+from tests.helpers import Events, drain, is_reaped, receive_ready
 
 pytestmark = pytest.mark.anyio
 
@@ -84,7 +84,7 @@ async def test_ranks_ignoring_sigterm_are_killed_and_reaped_before_join_raises(
     # The root cause, although the lower ranks died too (of our SIGKILL).
     assert info.value.error_index == 2
     assert isinstance(info.value.__cause__, ValueError)
-    assert all(is_gone(pid) for pid in ctx.pids())
+    assert all(is_reaped(pid) for pid in ctx.pids())
     assert [process.exitcode for process in ctx.processes] == [-signal.SIGKILL] * 2 + [1]
     assert sorted(drain(reader)) == [("SIGTERM", 0), ("SIGTERM", 1)]
     warnings = records(caplog, logging.WARNING)
@@ -135,7 +135,7 @@ async def test_ranks_ignoring_sigterm_cost_one_grace_period_not_one_each(
 
     # One after another would take 4.5 s; together, one grace period.
     assert 1.4 <= elapsed < 3.0
-    assert all(is_gone(pid) for pid in pids.values())
+    assert all(is_reaped(pid) for pid in pids.values())
     warnings = records(caplog, logging.WARNING)
     assert set(warnings[:3]) == {sigterm_record(pids[rank], rank) for rank in range(3)}
     assert all("SIGKILL" in message for message in warnings[3:])

@@ -40,7 +40,7 @@ from hypothesis import strategies as st
 
 import aiospawn
 from tests import ranks
-from tests.conftest import live_children, open_fds
+from tests.helpers import live_children, open_fds
 
 STRESS = float(os.environ.get("AIOSPAWN_STRESS", "1"))
 BACKENDS = ["asyncio", "trio"]

@@ -36,7 +36,7 @@ import aiospawn._core._shutdown
 import aiospawn.sync as sync
 from aiospawn._local._rank import LocalRank
 from tests import ranks, slow_import_module, torch_ranks
-from tests.conftest import live_children, wait_until
+from tests.helpers import is_running, live_children, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -57,14 +57,6 @@ def _loop_threads_baseline() -> None:
 def loop_threads() -> list[threading.Thread]:
     """The sync loop threads started by this test and still running."""
     return sorted(_all_loop_threads() - _loop_threads_before, key=lambda thread: thread.ident or 0)
-
-
-def is_running(pid: int) -> bool:
-    """True if ``pid`` is a live process (a zombie is dead)."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def join_all(ctx: sync.ProcessContext, **kwargs: Any) -> None:

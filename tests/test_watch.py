@@ -12,8 +12,7 @@ import pytest
 
 import aiospawn
 from tests import ranks
-from tests.conftest import wait_until
-from tests.helpers import receive, tripwire
+from tests.helpers import receive, tripwire, wait_until
 
 pytestmark = pytest.mark.anyio
 

@@ -1,16 +1,8 @@
 """The ``aiospawn`` command: run a script, a module, a function or any program as N ranks.
 
-Usage::
-
-    aiospawn run [options] script.py [args...]              # the script as __main__
-    aiospawn run [options] -m package.module [args...]      # the module as __main__
-    aiospawn run [options] --fn package.module:function [args...]  # function(rank, *args)
-    aiospawn run [options] --no-python program [args...]    # any executable
-
-(``python -m aiospawn`` is the same command.) Everything after the target is
-passed to it untouched; the launcher's options come before the target.
-
-How each rank runs its target::
+The command's reference (options, launch modes, environment, signals, exit
+status) is the docs' command-line page (``docs/cli.md``) and ``aiospawn run
+--help``; this module is their implementation. How each rank runs its target::
 
     aiospawn (launcher) ── anyio.run (asyncio) ── aiospawn.start_processes(rank_*, ...)
       │  signals: SIGINT SIGTERM SIGHUP SIGQUIT → graceful shutdown, exit 128+signal
@@ -19,84 +11,9 @@ How each rank runs its target::
       └── ...                          ─ --no-python: program as a child process, in the
                                          rank's process group; its exit status becomes the rank's
 
-Launch modes:
-
-* ``script.py``: each rank runs the file as ``__main__`` (``runpy.run_path``)
-  with ``sys.argv = [script.py, *args]`` and the script's directory first on
-  ``sys.path``, as ``python script.py`` does. ``sys.exit(n)`` sets the rank's
-  exit code; an uncaught exception prints its traceback to the rank's stderr
-  and makes the rank fail (exit status 1).
-* ``-m package.module``: the same with ``runpy.run_module``, the current
-  directory first on ``sys.path``, as ``python -m`` does.
-* ``--fn package.module:function``: each rank imports the module and calls
-  ``function(rank, *args)``, the arguments as strings. The launcher imports the
-  module once first, to check that the function exists. What it returns is
-  ignored.
-* ``--no-python program``: each rank runs ``program args...`` as a child
-  process in the rank's process group, with the rank's environment and its
-  stdout and stderr, and ends as the program ends: with its exit code, or
-  killed by the same signal. A SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1 or
-  SIGUSR2 sent to the rank is passed on to the program. The program dies with
-  the rank, even if the rank is SIGKILLed.
-
-The rank's environment is set before the target's code is imported. Every
-rank gets the variables ``torchrun`` sets for a single node: ``RANK``,
-``LOCAL_RANK`` (both the rank), ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE`` (both
-``--nprocs``), ``GROUP_RANK=0``, ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT``
-(a port that was free on 127.0.0.1 when the ranks started) and
-``TORCHELASTIC_RESTART_COUNT`` (the ``torchrun_env`` option), plus
-``OMP_NUM_THREADS=1`` when it is unset and there is more than one rank (a one-line
-note on stderr says so), then the ``--env KEY=VALUE`` pairs, which win.
-
-Options:
-
-* ``-n/--nprocs N|auto`` (also ``--nproc-per-node``): how many ranks; ``auto``
-  is ``os.cpu_count()``. Default 1.
-* ``--start-method spawn|forkserver|fork``: default ``spawn``.
-* ``--grace-period SECONDS``: on a failure, how long the other ranks may take to
-  exit by themselves, and between SIGTERM and SIGKILL during a shutdown.
-  Default: aiospawn's (no wait after a failure, then 30 s from SIGTERM to SIGKILL).
-* ``--stdout MODE`` / ``--stderr MODE``: ``prefix`` (each line on the
-  launcher's stream behind ``[rankN]: ``), ``inherit`` (the launcher's stream,
-  untouched), ``devnull``, or a directory (files ``rankN.stdout`` and
-  ``rankN.stderr``, mode 0600, in a directory made with mode 0700). Default
-  ``prefix`` with more than one rank, else ``inherit``. A directory called
-  ``prefix``, ``inherit``, ``devnull`` or ``capture`` is written ``./prefix``.
-* ``--log-dir DIR``: both streams to files under ``DIR`` (an explicit
-  ``--stdout``/``--stderr`` wins for its stream).
-* ``--tee``: with ``--log-dir`` or a directory mode: also each line on the
-  launcher's streams, behind the prefix.
-* ``--env KEY=VALUE``: an environment variable for every rank; repeatable.
-* ``-v/--verbose``: a one-line summary after a successful run too.
-* ``--max-restarts N``: when a rank fails, stop the others (SIGTERM, grace
-  period, SIGKILL) and start all ranks again, up to N times, as torchrun does;
-  each start gets a fresh ``MASTER_PORT`` and ``TORCHELASTIC_RESTART_COUNT``.
-  Default 0. ``--restart-window SECONDS``: count only the restarts of the last
-  SECONDS (default: all of them).
-
-If the launcher's stdout or stderr is a pipe whose reader has gone (``| head``),
-the launcher dies of SIGPIPE as other command-line tools do, and its ranks die
-with it.
-
-Signals: SIGINT, SIGTERM, SIGHUP and SIGQUIT make the launcher shut the ranks
-down gracefully (SIGTERM to each rank's process group, the grace period, then
-SIGKILL), print the summary, and exit with 128 + the signal's number (130 for
-Ctrl-C, 143 for SIGTERM). A second SIGINT (Ctrl-C again) SIGKILLs the ranks
-at once. Each rank leads its own process group, so a terminal's Ctrl-C reaches
-only the launcher, which decides. If the launcher is killed, even by SIGKILL,
-every rank dies with it, with its children.
-
-Exit status: 0 when every rank succeeded; otherwise that of the first rank
-that failed by itself (the root cause): its exit code, 128 + its signal's
-number if a signal killed it, or 1 if it raised an exception. 2 for bad usage,
-before anything starts. After a failure or a signal, stderr ends with a
-summary: the root cause with the last lines of its stderr (when its stderr
-passes through the launcher: ``prefix`` or ``--tee``), and a table of every
-rank's pid, exit code or signal, and duration. A successful run prints
-nothing but the ranks' own output (and the ``OMP_NUM_THREADS`` note).
-
-What each rank runs lives in ``_programs``, which a rank imports instead of
-this module.
+What each rank runs lives in ``aiospawn._rank.programs``, which a rank imports
+instead of this module. One module, parse -> plan -> supervise -> report, as
+one command is one idea; it is a little over 500 lines for that reason.
 """
 
 from __future__ import annotations
