@@ -1,48 +1,49 @@
-"""The Ray backend against local processes: group start, failure-to-raise, node loss.
+"""Scenario ``ray``: the Ray backend against local processes: group start, failure, node loss.
 
-Runs on a two-node Ray cluster that it starts on this machine (``tests/ray_cluster.py``:
-two ``ray start`` nodes on loopback, 4 logical CPUs each) and stops at the end::
+Needs the ray extra; without it the scenario is reported as skipped. It starts a
+two-node Ray cluster on this machine (``tests/ray_cluster.py``: two ``ray start``
+nodes on loopback, 4 logical CPUs each, stopped by pid at the end), so a default
+run leaves it out: ``run.py --only ray`` or ``run.py --with-ray``.
 
-    .venv/bin/pip install -e '.[test,ray]'
-    .venv/bin/python benchmarks/bench_ray.py                  # about 2 minutes on 2 cores
-    .venv/bin/python benchmarks/bench_ray.py --default-health-checks   # only node loss,
-                                                              # with Ray's own settings
+Cases (the peers of each alternate, after one untimed warm-up each):
 
-Scenarios (each peer alternates with the other, after one untimed warm-up):
-
-* ``start``: 8 trivial ranks. From just before ``spawn()`` to the last rank's entry
-  stamp ("all running") and to ``spawn()`` returning the results ("joined"). Ray:
-  ``RayBackend(resources_per_rank={"CPU": 1})``, PACK (both nodes are needed); local:
-  the ``spawn`` start method.
-* ``failure``: 2 ranks, rank 1 raises at once carrying its ``time.monotonic()``; from
+* start: 8 trivial ranks. From just before ``spawn()`` to the last rank's entry
+  stamp ("all running") and to ``spawn()`` returning the results ("joined").
+  Ray: ``RayBackend(resources_per_rank={"CPU": 1})``, PACK (both nodes are
+  needed); local: the ``spawn`` start method.
+* failure: 2 ranks, rank 1 raises at once carrying its ``time.monotonic()``; from
   that stamp to ``join()`` raising ``ProcessRaisedException`` (rank 0 stopped with
-  SIGTERM and gone). CLOCK_MONOTONIC is system-wide, and both Ray nodes are on this
-  machine, so the rank's stamp compares with ours.
-* ``node loss``: 2 ranks, one per node (STRICT_SPREAD); SIGKILL of the worker node's
-  raylet, to ``join()`` raising ``ProcessExitedException`` for the rank on that node.
-  Ray declares a node dead after ``RAY_health_check_failure_threshold`` failed probes,
-  one every ``RAY_health_check_period_ms`` (see ``tests/ray_cluster.py``).
+  SIGTERM and gone). CLOCK_MONOTONIC is system-wide, and both Ray nodes are on
+  this machine, so the rank's stamp compares with ours.
+* node loss: 2 ranks, one per node (STRICT_SPREAD); SIGKILL of the worker node's
+  raylet, to ``join()`` raising ``ProcessExitedException`` for the rank on that
+  node. Ray declares a node dead after ``RAY_health_check_failure_threshold``
+  failed probes, one every ``RAY_health_check_period_ms``: once on a cluster with
+  the fast settings the tests use (``tests/ray_cluster.py``), once on a second
+  cluster with Ray's own.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
-import statistics
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import anyio
 import anyio.abc
+import anyio.to_thread
+from harness import Measure, Peer, ScenarioResult, Skipped, alternate, ms, progress
 
 import aiospawn
 
-# Local ranks (spawn) import this file again as their main module: everything
-# heavy (Ray, the cluster helpers) is imported inside the functions, so that a
-# local rank pays for the interpreter and aiospawn only.
+# Local ranks (spawn) import run.py again as their main module, and the rank
+# functions from the tests' package: everything heavy (Ray, the cluster
+# helpers) is imported inside the functions, so that a local rank pays for
+# the interpreter and aiospawn only.
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -53,155 +54,142 @@ if TYPE_CHECKING:
     from aiospawn.ray import RayBackend
     from tests.ray_cluster import LocalCluster
 
-Sample = dict[str, float]
+START_RANKS = 8
 
 
-async def start_8(backend: RayBackend | None) -> Sample:
+async def _start(backend: RayBackend | None) -> Measure:
     options = {} if backend is None else {"backend": backend}
     began = time.monotonic()
-    stamps = await aiospawn.spawn(ray_ranks.entry_stamp, nprocs=8, **options)  # type: ignore[arg-type]
+    stamps = await aiospawn.spawn(ray_ranks.entry_stamp, nprocs=START_RANKS, **options)  # type: ignore[arg-type]
     joined = time.monotonic()
-    return {"all running [ms]": (max(stamps) - began) * 1e3, "joined [ms]": (joined - began) * 1e3}
+    return {"all running [ms]": ms(max(stamps) - began), "joined [ms]": ms(joined - began)}
 
 
-async def failure(backend: RayBackend | None) -> Sample:
+async def _failure(backend: RayBackend | None) -> Measure:
     options = {} if backend is None else {"backend": backend}
     try:
         await aiospawn.spawn(ray_ranks.stamp_and_fail, args=(1,), nprocs=2, **options)  # type: ignore[arg-type]
     except aiospawn.ProcessRaisedException as exc:
         raised = time.monotonic()
         stamp = exc.__cause__.args[0] if isinstance(exc.__cause__, ValueError) else math.nan
-        return {"raised [ms]": (raised - stamp) * 1e3}
+        return {"raised [ms]": ms(raised - stamp)}
     raise AssertionError("the group did not fail")
 
 
-async def node_loss(cluster: LocalCluster, backend: RayBackend) -> Sample:
+async def _node_loss(
+    result: ScenarioResult, case: str, cluster: LocalCluster, backend: RayBackend
+) -> Measure:
     async with await anyio.create_tcp_listener(local_host="127.0.0.1") as listener:
         (inner,) = listener.listeners
         port = inner.extra(anyio.abc.SocketAttribute.local_port)
         ctx = await aiospawn.start_processes(
             ray_ranks.sleep_forever, args=(port,), nprocs=2, join=False, backend=backend
         )
-        for _ in range(2):
+        for _ in range(2):  # both ranks running
             async with await inner.accept() as stream:  # type: ignore[attr-defined]
                 await stream.receive()
     worker = next(node for node in cluster.nodes if node.tag == "node2")
     killed = time.monotonic()
-    raylet = worker.raylet()
-    raylet.kill()
+    worker.raylet().kill()
     try:
         await ctx.join()
     except aiospawn.ProcessExitedException as exc:
         detected = time.monotonic()
-        print(f"  reported as: {exc.msg.rpartition('): ')[2] or exc.msg}")
+        result.note(f"{case}: reported as: {exc.msg.rpartition('): ')[2] or exc.msg}")
     else:
         raise AssertionError("the group did not fail")
+    # A fresh worker node for the next trial, outside the timing.
     await anyio.to_thread.run_sync(cluster.kill_node, worker)
     await anyio.to_thread.run_sync(cluster.add_worker_node)
-    assert await anyio.to_thread.run_sync(cluster.wait_for_nodes, 2)
-    return {"detected [ms]": (detected - killed) * 1e3}
+    assert await anyio.to_thread.run_sync(cluster.wait_for_nodes, 2), "node2 did not come back"
+    return {"detected [ms]": ms(detected - killed)}
 
 
-async def alternate(
-    peers: dict[str, Callable[[], Awaitable[Sample]]], trials: int
-) -> dict[str, dict[str, list[float]]]:
-    results: dict[str, dict[str, list[float]]] = {name: {} for name in peers}
-    for trial in range(trials + 1):
-        for name, run in peers.items():
-            sample = await run()
-            if trial == 0:
-                continue  # warm-up
-            for metric, value in sample.items():
-                results[name].setdefault(metric, []).append(value)
-    return results
+async def _on_cluster(
+    fast_health_checks: bool, body: Callable[[LocalCluster], Awaitable[None]]
+) -> float:
+    """Start a two-node cluster, run ``body(cluster)`` connected to it, stop it.
 
-
-def report(title: str, results: dict[str, dict[str, list[float]]]) -> None:
-    print(f"\n### {title}\n")
-    print("| peer | metric | median | min | max | trials |")
-    print("|---|---|---|---|---|---|")
-    for peer, metrics in results.items():
-        for metric, values in metrics.items():
-            print(
-                f"| {peer} | {metric} | {statistics.median(values):.0f} | {min(values):.0f}"
-                f" | {max(values):.0f} | {len(values)} |"
-            )
-
-
-def main() -> None:
+    Returns the seconds the cluster took to start.
+    """
     import ray
 
-    from aiospawn.ray import RayBackend
-    from tests.ray_cluster import HEALTH_CHECKS, LocalCluster
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trials", type=int, default=5)
-    parser.add_argument("--node-trials", type=int, default=3)
-    parser.add_argument("--backend", default="asyncio", choices=["asyncio", "trio"])
-    parser.add_argument("--default-health-checks", action="store_true")
-    options = parser.parse_args()
-
-    if options.default_health_checks:
-        default_node_loss(options)
-        return
-    began = time.monotonic()
-    cluster = LocalCluster.start()
-    print(f"two-node cluster up in {time.monotonic() - began:.1f} s")
-    try:
-        ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
-        spread = RayBackend(address=cluster.address)
-
-        async def scenarios() -> None:
-            report(
-                "start: 8 trivial ranks",
-                await alternate(
-                    {"ray": lambda: start_8(spread), "local (spawn)": lambda: start_8(None)},
-                    options.trials,
-                ),
-            )
-            report(
-                "failure: rank raises -> join() raises",
-                await alternate(
-                    {"ray": lambda: failure(spread), "local (spawn)": lambda: failure(None)},
-                    options.trials,
-                ),
-            )
-            strict = RayBackend(address=cluster.address, placement="STRICT_SPREAD")
-            settings = ", ".join(f"{key}={value}" for key, value in HEALTH_CHECKS.items())
-            report(
-                f"node loss: raylet SIGKILL -> join() raises ({settings})",
-                await alternate({"ray": lambda: node_loss(cluster, strict)}, options.node_trials),
-            )
-
-        anyio.run(scenarios, backend=options.backend)
-    finally:
-        ray.shutdown()
-        cluster.stop()
-
-
-def default_node_loss(options: argparse.Namespace) -> None:
-    """The node-loss scenario alone, on a cluster with Ray's own health-check settings."""
-    import ray
-
-    from aiospawn.ray import RayBackend
     from tests.ray_cluster import LocalCluster
 
-    cluster = LocalCluster.start(fast_health_checks=False)
+    began = time.monotonic()
+    cluster = await anyio.to_thread.run_sync(
+        partial(LocalCluster.start, fast_health_checks=fast_health_checks)
+    )
+    up = time.monotonic() - began
+    progress(f"[ray] two-node cluster up in {up:.1f} s at {cluster.address}")
     try:
         ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
-        strict = RayBackend(address=cluster.address, placement="STRICT_SPREAD")
-
-        async def scenario() -> None:
-            report(
-                "node loss: raylet SIGKILL -> join() raises (Ray's default health checks)",
-                await alternate({"ray": lambda: node_loss(cluster, strict)}, options.node_trials),
-            )
-
-        anyio.run(scenario, backend=options.backend)
+        await body(cluster)
     finally:
         ray.shutdown()
         cluster.stop()
+    return up
 
 
-if __name__ == "__main__":
-    main()
+async def ray_backend(result: ScenarioResult, quick: bool) -> None:
+    """Group start, failure-to-raise and node-loss detection, Ray against local ranks."""
+    try:
+        import ray  # noqa: F401  (only to learn whether the extra is installed)
+    except ImportError as exc:
+        raise Skipped(
+            f"ray is not importable ({exc}); install the extra: pip install -e '.[bench,ray]'"
+        ) from exc
+    from aiospawn.ray import RayBackend
+    from tests.ray_cluster import CPUS_PER_NODE, HEALTH_CHECKS
+
+    trials, node_trials = (2, 1) if quick else (5, 3)
+
+    async def fast(cluster: LocalCluster) -> None:
+        pack = RayBackend(address=cluster.address)
+        await alternate(
+            result,
+            f"start, N={START_RANKS}",
+            [
+                Peer("ray", partial(_start, pack), trials, warmup=1),
+                Peer("local (spawn)", partial(_start, None), trials, warmup=1),
+            ],
+        )
+        await alternate(
+            result,
+            "failure, N=2",
+            [
+                Peer("ray", partial(_failure, pack), trials, warmup=1),
+                Peer("local (spawn)", partial(_failure, None), trials, warmup=1),
+            ],
+        )
+        await node_loss("node loss, N=2, fast health checks")(cluster)
+
+    def node_loss(case: str) -> Callable[[LocalCluster], Awaitable[None]]:
+        async def body(cluster: LocalCluster) -> None:
+            strict = RayBackend(address=cluster.address, placement="STRICT_SPREAD")
+            run = partial(_node_loss, result, case, cluster, strict)
+            await alternate(result, case, [Peer("ray", run, node_trials, warmup=1)])
+
+        return body
+
+    result.note(
+        f"Two `ray start` nodes on loopback, {CPUS_PER_NODE} logical CPUs each"
+        " (`tests/ray_cluster.py`). start: Ray with"
+        ' `RayBackend(resources_per_rank={"CPU": 1})`, PACK (both nodes are needed), local'
+        " with the `spawn` start method; 'all running' is the last rank's entry stamp,"
+        " 'joined' is `spawn()` returning the results. failure: from rank 1's"
+        " `time.monotonic()`, carried by its exception, to `join()` raising (rank 0 stopped"
+        " and gone). node loss: one rank per node (STRICT_SPREAD), from SIGKILL of the worker"
+        " node's raylet to `join()` raising; a fresh worker node is started between trials."
+        " 'fast health checks': every node started with"
+        f" {', '.join(f'{key}={value}' for key, value in HEALTH_CHECKS.items())}, as the tests"
+        " do (a crashed node is declared dead after 3 refused probes, 0.5 s apart); 'Ray's"
+        " default health checks': a second cluster with Ray's own settings (a probe every"
+        " 3 s, 5 failures)."
+    )
+    fast_up = await _on_cluster(True, fast)
+    default_up = await _on_cluster(False, node_loss("node loss, N=2, Ray's default health checks"))
+    result.note(
+        f"The cluster took {fast_up:.1f} s to start with the fast health checks and"
+        f" {default_up:.1f} s with Ray's defaults (not timed in the table)."
+    )

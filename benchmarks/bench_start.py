@@ -29,6 +29,8 @@ from harness import (
     progress,
     read_stamps,
     stamp_dir,
+    start_plain,
+    stop_plain,
     torch_ranks_fit,
     wait_stamps,
     wait_stamps_blocking,
@@ -82,15 +84,9 @@ def _torch_startup(tmp: Any, method: str, nprocs: int) -> Measure:
 
 
 def _mp_startup(method: str, nprocs: int) -> Measure:
-    context = multiprocessing.get_context(method)
     with stamp_dir() as outdir:
         started = time.monotonic()
-        processes = [
-            context.Process(target=workloads.record_entry, args=(rank, outdir))
-            for rank in range(nprocs)
-        ]
-        for process in processes:
-            process.start()
+        processes = start_plain(method, workloads.record_entry, nprocs, outdir)
         for process in processes:
             process.join()
         joined = time.monotonic()
@@ -248,33 +244,15 @@ async def _aiospawn_scale(nprocs: int) -> Measure:
     }
 
 
-def _stop_all(processes: list[Any]) -> None:
-    for process in processes:
-        process.terminate()
-    for process in processes:
-        process.join()
-
-
-def _start_mp(nprocs: int, outdir: str) -> list[Any]:
-    context = multiprocessing.get_context("fork")
-    processes = [
-        context.Process(target=workloads.sleep_forever, args=(rank, outdir))
-        for rank in range(nprocs)
-    ]
-    for process in processes:
-        process.start()
-    return processes
-
-
 def _mp_scale(nprocs: int) -> Measure:
     with stamp_dir() as outdir:
         started = time.monotonic()
-        processes = _start_mp(nprocs, outdir)
+        processes = start_plain("fork", workloads.sleep_forever, nprocs, outdir)
         returned = time.monotonic()
         wait_stamps_blocking(outdir, nprocs)
         stamps = read_stamps(outdir, nprocs)
         cancelled = time.monotonic()
-        _stop_all(processes)
+        stop_plain(processes)
         reaped = time.monotonic()
     return {
         "start returned [ms]": ms(returned - started),
@@ -293,7 +271,7 @@ def _torch_scale(tmp: Any, nprocs: int) -> Measure:
         wait_stamps_blocking(outdir, nprocs)
         stamps = read_stamps(outdir, nprocs)
         cancelled = time.monotonic()
-        _stop_all(ctx.processes)
+        stop_plain(ctx.processes)
         reaped = time.monotonic()
     return {
         "start returned [ms]": ms(returned - started),
@@ -334,12 +312,12 @@ def probe_memory() -> None:
                 workloads.sleep_forever, (outdir,), nprocs=nprocs, join=False, start_method="fork"
             )
             grown = _rss() - before
-            _stop_all(ctx.processes)
+            stop_plain(ctx.processes)
         else:
             before = _rss()
-            processes = _start_mp(nprocs, outdir)
+            processes = start_plain("fork", workloads.sleep_forever, nprocs, outdir)
             grown = _rss() - before
-            _stop_all(processes)
+            stop_plain(processes)
     print(json.dumps({"parent RSS per rank [KiB]": grown / nprocs / 1024}))
 
 

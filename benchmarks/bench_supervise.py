@@ -3,7 +3,6 @@ teardown (5), idle supervisor overhead (6)."""
 
 from __future__ import annotations
 
-import multiprocessing
 import random
 import time
 from functools import partial
@@ -24,6 +23,8 @@ from harness import (
     read_stamp,
     read_stamps,
     stamp_dir,
+    start_plain,
+    stop_plain,
     torch_ranks_fit,
     wait_stamps,
     wait_stamps_blocking,
@@ -96,14 +97,7 @@ def _torch_join_failure(tmp: Any) -> Measure:
 
 
 def _start_failing_pair(outdir: str) -> list[Any]:
-    context = multiprocessing.get_context("fork")
-    args = _fail_args(outdir)
-    processes = [
-        context.Process(target=workloads.fail_after, args=(rank, *args)) for rank in range(2)
-    ]
-    for process in processes:
-        process.start()
-    return processes
+    return start_plain("fork", workloads.fail_after, 2, *_fail_args(outdir))
 
 
 def _stop_survivors(processes: list[Any]) -> None:
@@ -249,20 +243,11 @@ async def _torch_lag(tmp: Any, method: str, nprocs: int) -> Measure:
 
 
 def _mp_blocking(method: str, nprocs: int) -> None:
-    context = multiprocessing.get_context(method)
     with stamp_dir() as outdir:
-        processes = [
-            context.Process(target=workloads.sleep_forever, args=(rank, outdir))
-            for rank in range(nprocs)
-        ]
-        for process in processes:
-            process.start()
+        processes = start_plain(method, workloads.sleep_forever, nprocs, outdir)
         wait_stamps_blocking(outdir, nprocs)
         time.sleep(RUN_SECONDS)
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            process.join()
+        stop_plain(processes)
 
 
 async def _mp_lag(method: str, nprocs: int) -> Measure:
@@ -359,14 +344,8 @@ async def _aiospawn_teardown(nprocs: int, ignore_rank: int, grace: float) -> Mea
 
 
 def _loop_teardown(nprocs: int, ignore_rank: int, grace: float) -> Measure:
-    context = multiprocessing.get_context("fork")
     with stamp_dir() as outdir:
-        processes = [
-            context.Process(target=workloads.sleep_forever, args=(rank, outdir, ignore_rank))
-            for rank in range(nprocs)
-        ]
-        for process in processes:
-            process.start()
+        processes = start_plain("fork", workloads.sleep_forever, nprocs, outdir, ignore_rank)
         wait_stamps_blocking(outdir, nprocs)
         cancelled = time.monotonic()
         # torch's ProcessContext.join() escalation, as written in torch/multiprocessing/spawn.py
@@ -475,14 +454,8 @@ def _torch_idle(tmp: Any, seconds: float) -> Measure:
 
 
 def _poll_idle(seconds: float) -> Measure:
-    context = multiprocessing.get_context("fork")
     with stamp_dir() as outdir:
-        processes = [
-            context.Process(target=workloads.sleep_then_return, args=(rank, outdir, seconds))
-            for rank in range(IDLE_RANKS)
-        ]
-        for process in processes:
-            process.start()
+        processes = start_plain("fork", workloads.sleep_then_return, IDLE_RANKS, outdir, seconds)
         wait_stamps_blocking(outdir, IDLE_RANKS)
         sampler = _arm_sampler(outdir, seconds)
         cpu = cpu_seconds()

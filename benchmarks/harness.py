@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import inspect
 import math
+import multiprocessing
 import os
 import resource
 import shutil
@@ -76,6 +77,7 @@ class ScenarioResult:
     load_before: tuple[float, float, float] = (0.0, 0.0, 0.0)
     load_after: tuple[float, float, float] = (0.0, 0.0, 0.0)
     seconds: float = 0.0
+    skipped: str | None = None
 
     def add(self, case: str, peer: str, measure: Measure) -> None:
         """Append one run's measure to the series of ``case`` and ``peer``."""
@@ -103,6 +105,10 @@ class ScenarioResult:
         data["load_before"] = tuple(data["load_before"])
         data["load_after"] = tuple(data["load_after"])
         return cls(series=series, **data)
+
+
+class Skipped(Exception):
+    """Raised by a scenario that cannot run on this machine; the report gives the reason."""
 
 
 @dataclass
@@ -166,6 +172,29 @@ def percentile(samples: list[float], q: float) -> float:
 def ms(seconds: float) -> float:
     """Seconds to milliseconds."""
     return seconds * 1000.0
+
+
+def start_plain(
+    method: str, target: Callable[..., object], nprocs: int, *args: object
+) -> list[Any]:
+    """Start ``nprocs`` plain ``multiprocessing`` processes running ``target(rank, *args)``.
+
+    The peer without a supervisor: every ``Process`` is made, then each is
+    started in turn; nothing watches them.
+    """
+    context = multiprocessing.get_context(method)
+    processes = [context.Process(target=target, args=(rank, *args)) for rank in range(nprocs)]
+    for process in processes:
+        process.start()
+    return processes
+
+
+def stop_plain(processes: list[Any]) -> None:
+    """SIGTERM every process, then join each: the teardown of a peer without one."""
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        process.join()
 
 
 @contextmanager

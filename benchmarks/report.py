@@ -23,8 +23,8 @@ class Check:
     verdict: str  # "pass", "fail" or "n/a"
 
 
-def machine() -> dict[str, str]:
-    """What the figures depend on: cores, CPU, Python, kernel, versions, date."""
+def machine(*, ray: bool = False) -> dict[str, str]:
+    """What the figures depend on: cores, CPU, Python, kernel, versions (Ray's too), date."""
     model = "unknown"
     try:
         with open("/proc/cpuinfo") as file:
@@ -35,7 +35,7 @@ def machine() -> dict[str, str]:
     except OSError:
         pass
     versions = []
-    for name in ("aiospawn", "anyio", "torch"):
+    for name in ("aiospawn", "anyio", "torch", *(("ray",) if ray else ())):
         try:
             versions.append(f"{name} {importlib.metadata.version(name)}")
         except importlib.metadata.PackageNotFoundError:
@@ -132,56 +132,62 @@ def _bound_check(target: str, row: str, value: float | None, bound: float, unit:
     )
 
 
+def _against_peers(
+    results: dict[str, ScenarioResult],
+    scenario: str,
+    metrics: tuple[str, ...],
+    targets: list[tuple[str, str, Callable[[float, float], bool]]],
+) -> list[Check]:
+    """aiospawn's median against each ``(target, peer, passes)``, for every case and metric.
+
+    A row names the case, and the metric too when there are several.
+    """
+    found: list[Check] = []
+    if scenario not in results:
+        return found
+    for case in dict.fromkeys(s.case for s in results[scenario].series):
+        for metric in metrics:
+            row = case if len(metrics) == 1 else f"{case}, {metric}"
+            ours = _median(results, scenario, case, metric, "aiospawn")
+            for target, peer, passes in targets:
+                theirs = _median(results, scenario, case, metric, peer)
+                found.append(_ratio_check(target, row, ours, theirs, passes, peer))
+    return found
+
+
 def checks(results: dict[str, ScenarioResult]) -> list[Check]:
     """Every target of the brief, checked on the medians."""
     found: list[Check] = []
-    if "startup" in results:
-        startup = results["startup"]
-        for case in dict.fromkeys(s.case for s in startup.series):
-            for metric in ("all running [ms]", "joined [ms]"):
-                row = f"{case}, {metric}"
-                ours = _median(results, "startup", case, metric, "aiospawn")
-                floor = _median(results, "startup", case, metric, "multiprocessing")
-                torch = _median(results, "startup", case, metric, "torch")
-                found.append(
-                    _ratio_check(
-                        "start-up within 1.2x of multiprocessing",
-                        row,
-                        ours,
-                        floor,
-                        lambda a, b: a <= 1.2 * b,
-                        "multiprocessing",
-                    )
-                )
-                found.append(
-                    _ratio_check(
-                        "start-up faster than torch", row, ours, torch, lambda a, b: a < b, "torch"
-                    )
-                )
-    if "large_arg" in results:
-        for case in dict.fromkeys(s.case for s in results["large_arg"].series):
-            metric = "all running [ms]"
-            ours = _median(results, "large_arg", case, metric, "aiospawn")
-            found.append(
-                _ratio_check(
-                    "large-arg start >= 3x faster than torch sequential",
-                    case,
-                    ours,
-                    _median(results, "large_arg", case, metric, "torch sequential"),
-                    lambda a, b: 3 * a <= b,
-                    "torch sequential",
-                )
-            )
-            found.append(
-                _ratio_check(
-                    "large-arg start no slower than torch parallel",
-                    case,
-                    ours,
-                    _median(results, "large_arg", case, metric, "torch parallel"),
-                    lambda a, b: a <= b,
-                    "torch parallel",
-                )
-            )
+    found += _against_peers(
+        results,
+        "startup",
+        ("all running [ms]", "joined [ms]"),
+        [
+            (
+                "start-up within 1.2x of multiprocessing",
+                "multiprocessing",
+                lambda a, b: a <= 1.2 * b,
+            ),
+            ("start-up faster than torch", "torch", lambda a, b: a < b),
+        ],
+    )
+    found += _against_peers(
+        results,
+        "large_arg",
+        ("all running [ms]",),
+        [
+            (
+                "large-arg start >= 3x faster than torch sequential",
+                "torch sequential",
+                lambda a, b: 3 * a <= b,
+            ),
+            (
+                "large-arg start no slower than torch parallel",
+                "torch parallel",
+                lambda a, b: a <= b,
+            ),
+        ],
+    )
     if "failure" in results:
         for case in dict.fromkeys(s.case for s in results["failure"].series):
             join = _median(results, "failure", case, "raised [ms]", "aiospawn join")
@@ -230,6 +236,19 @@ def checks(results: dict[str, ScenarioResult]) -> list[Check]:
             found.append(
                 _bound_check("idle supervisor CPU < 0.5 % of a core", case, value, 0.5, "%")
             )
+    found += _against_peers(
+        results,
+        "cli",
+        ("start to exit [ms]",),
+        [
+            (
+                "launcher within 1.5x of two plain python runs",
+                "python x2",
+                lambda a, b: a <= 1.5 * b,
+            ),
+            ("launcher >= 5x faster than torchrun", "torchrun", lambda a, b: 5 * a <= b),
+        ],
+    )
     return found
 
 
@@ -283,9 +302,11 @@ def markdown(
     for number, result in enumerate(results, 1):
         before = ", ".join(f"{value:.2f}" for value in result.load_before)
         after = ", ".join(f"{value:.2f}" for value in result.load_after)
+        out += [f"## {number}. {result.title} (`--only {result.name}`)", ""]
+        if result.skipped:
+            out += [f"Skipped: {result.skipped}", ""]
+            continue
         out += [
-            f"## {number}. {result.title} (`--only {result.name}`)",
-            "",
             f"Load average before: {before}; after: {after}; took {result.seconds:.0f} s.",
             "",
             scenario_table(result),
@@ -312,6 +333,10 @@ _COLORS = {
     "floor: join the failing rank": "#2ca02c",
     "polling 0.1 s": "#9467bd",
     "idle loop": "#7f7f7f",
+    "torchrun": "#ff7f0e",
+    "python x2": "#2ca02c",
+    "ray": "#1f77b4",
+    "local (spawn)": "#2ca02c",
 }
 
 
@@ -319,8 +344,11 @@ def _color(peer: str) -> str:
     return _COLORS.get(peer, "#8c564b")
 
 
-def plot(results: list[ScenarioResult], path: str) -> None:
-    """A grouped bar chart per scenario and unit: medians, with the p95 as an error bar."""
+def plot(results: list[ScenarioResult], path: str) -> bool:
+    """A grouped bar chart per scenario and unit: medians, with the p95 as an error bar.
+
+    Returns False, writing nothing, when no scenario has figures (all skipped or failed).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -333,7 +361,7 @@ def plot(results: list[ScenarioResult], path: str) -> None:
             chosen = [s for s in result.series if s.unit == unit]
             panels.append((f"{result.title} [{unit}]", chosen))
     if not panels:
-        return
+        return False
     columns = 2
     rows = math.ceil(len(panels) / columns)
     figure, axes = plt.subplots(rows, columns, figsize=(16, 4.2 * rows), squeeze=False)
@@ -372,3 +400,4 @@ def plot(results: list[ScenarioResult], path: str) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
+    return True

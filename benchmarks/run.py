@@ -1,8 +1,9 @@
-"""Benchmark aiospawn against torch.multiprocessing and plain multiprocessing.
+"""Benchmark aiospawn against torch.multiprocessing, plain multiprocessing and torchrun.
 
-    python benchmarks/run.py            # every scenario; about 10 minutes on 2 cores
-    python benchmarks/run.py --quick    # fewer trials and ranks; under 2 minutes
+    python benchmarks/run.py             # every scenario but ray; about 10 minutes on 2 cores
+    python benchmarks/run.py --quick     # fewer trials and ranks; about 2 minutes
     python benchmarks/run.py --only failure
+    python benchmarks/run.py --with-ray  # and the ray scenario (the ray extra, a local cluster)
 
 Prints a Markdown table and writes benchmarks/results.md and results.png.
 Each scenario runs in a fresh interpreter (``--worker``), so a forkserver, a
@@ -25,7 +26,13 @@ SCENARIOS = {
     "idle": ("bench_supervise", "idle", "Supervisor overhead while ranks sleep"),
     "scale": ("bench_start", "scale", "Scale"),
     "supervision": ("bench_supervision", "supervision", "Heartbeats, hang detection, restarts"),
+    "cli": ("bench_cli", "cli", "The `aiospawn run` launcher"),
+    "ray": ("bench_ray", "ray_backend", "Ray backend against local ranks"),
 }
+
+#: Scenarios a run leaves out unless named: ``ray`` needs the ray extra and
+#: starts a two-node Ray cluster on this machine (``--with-ray`` or ``--only ray``).
+OPT_IN = ("ray",)
 
 
 def main(argv: list[str]) -> int:
@@ -33,8 +40,13 @@ def main(argv: list[str]) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer trials and ranks (< 2 min)")
+    parser.add_argument("--quick", action="store_true", help="fewer trials and ranks (~2 min)")
     parser.add_argument("--only", choices=list(SCENARIOS), help="run this scenario alone")
+    parser.add_argument(
+        "--with-ray",
+        action="store_true",
+        help="add the ray scenario (needs the ray extra; starts a two-node cluster here)",
+    )
     parser.add_argument(
         "--backend", choices=["asyncio", "trio"], default="asyncio", help="aiospawn's event loop"
     )
@@ -48,7 +60,11 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         return _worker(args.worker, args.quick, args.backend, args.json)
-    return _orchestrate(args.only, args.quick, args.backend, args.out)
+    if args.only:
+        names = [args.only]
+    else:
+        names = [name for name in SCENARIOS if name not in OPT_IN or args.with_ray]
+    return _orchestrate(names, args.quick, args.backend, args.out)
 
 
 def _worker(name: str, quick: bool, backend: str, json_path: str) -> int:
@@ -58,14 +74,18 @@ def _worker(name: str, quick: bool, backend: str, json_path: str) -> int:
     import time
 
     import anyio
-    from harness import ScenarioResult
+    from harness import ScenarioResult, Skipped, progress
 
     module, function, title = SCENARIOS[name]
     scenario = getattr(importlib.import_module(module), function)
     result = ScenarioResult(name=name, title=title)
     result.load_before = os.getloadavg()
     started = time.monotonic()
-    anyio.run(scenario, result, quick, backend=backend)
+    try:
+        anyio.run(scenario, result, quick, backend=backend)
+    except Skipped as skipped:
+        result.skipped = str(skipped)
+        progress(f"[{name}] skipped: {skipped}")
     result.seconds = time.monotonic() - started
     result.load_after = os.getloadavg()
     if backend != "asyncio":
@@ -77,8 +97,8 @@ def _worker(name: str, quick: bool, backend: str, json_path: str) -> int:
 
 #: What the workers and their ranks import, compiled once before anything is timed.
 _WARM_IMPORTS = (
-    "import anyio, psutil, aiospawn._api, aiospawn._child, torch.multiprocessing,"
-    " multiprocessing.forkserver, multiprocessing.popen_spawn_posix,"
+    "import anyio, psutil, aiospawn._api, aiospawn._rank.bootstrap, aiospawn._cli,"
+    " torch.multiprocessing, multiprocessing.forkserver, multiprocessing.popen_spawn_posix,"
     " multiprocessing.popen_forkserver, multiprocessing.popen_fork"
 )
 
@@ -100,7 +120,7 @@ def _worker_env(here: str) -> dict[str, str]:
     return env
 
 
-def _orchestrate(only: str | None, quick: bool, backend: str, out: str | None) -> int:
+def _orchestrate(names: list[str], quick: bool, backend: str, out: str | None) -> int:
     import json
     import os
     import subprocess
@@ -115,7 +135,6 @@ def _orchestrate(only: str | None, quick: bool, backend: str, out: str | None) -
     env = _worker_env(here)
     progress("== warming the bytecode cache (benchmarks/.cache/pycache)")
     subprocess.run([sys.executable, "-c", _WARM_IMPORTS], env=env, check=True)
-    names = [only] if only else list(SCENARIOS)
     mode = "quick" if quick else "full"
     results: list[ScenarioResult] = []
     failures: list[str] = []
@@ -137,18 +156,18 @@ def _orchestrate(only: str | None, quick: bool, backend: str, out: str | None) -
     total = time.monotonic() - started
     mode += f", {total:.0f} s in all, aiospawn on {backend}"
     chart = f"{prefix}.png"
-    plot(results, chart)
+    plotted = plot(results, chart)
     text = markdown(
         results,
-        machine(),
+        machine(ray="ray" in names),
         mode=mode,
         failures=failures,
-        chart=os.path.basename(chart) if results else None,
+        chart=os.path.basename(chart) if plotted else None,
     )
     with open(f"{prefix}.md", "w") as file:
         file.write(text)
     print(text)
-    progress(f"wrote {prefix}.md and {chart} in {total:.0f} s")
+    progress(f"wrote {prefix}.md{f' and {chart}' if plotted else ''} in {total:.0f} s")
     return 1 if failures else 0
 
 
