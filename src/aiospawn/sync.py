@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import math
 import sys
 import threading
 import warnings
@@ -43,6 +42,7 @@ import anyio
 from anyio.from_thread import BlockingPortal
 
 from ._api import start_processes as _start_group
+from ._api import warn_spawn_only
 from ._core._context import AsyncProcessContext
 from ._core._errors import ProcessException, ProcessExitedException, ProcessRaisedException
 from ._core._spec import check_seconds, resolve_start_method
@@ -502,13 +502,7 @@ def spawn(
     """
     _refuse_inside_event_loop("spawn()")
     if start_method != "spawn":
-        warnings.warn(
-            f"This method only supports start_method=spawn (got: {start_method}).\n"
-            "To use a different start_method use:\n\t\t"
-            " aiospawn.sync.start_processes(...)",
-            FutureWarning,
-            stacklevel=2,
-        )
+        warn_spawn_only(start_method, "aiospawn.sync.start_processes")
     return _start_processes(fn, args, nprocs, join, daemon, "spawn")
 
 
@@ -629,10 +623,10 @@ def _fresh(error: ProcessException) -> ProcessException:
 
 def _timeout_seconds(timeout: object) -> float | None:
     """torch passes ``timeout`` to ``multiprocessing.connection.wait``: negative means poll."""
+    check_seconds("timeout", timeout, allow_negative=True)
     if timeout is None:
         return None
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or math.isnan(timeout):
-        raise ValueError(f"timeout must be a number of seconds or None, got {timeout!r}")
+    assert isinstance(timeout, int | float)
     return max(float(timeout), 0.0)
 
 
