@@ -9,7 +9,8 @@ from contextlib import asynccontextmanager
 from typing import Any, Literal, TypedDict, TypeVar, TypeVarTuple, Unpack, overload
 
 from ._core._backend import Backend
-from ._core._context import AsyncProcessContext, Supervision
+from ._core._context import AsyncProcessContext
+from ._core._group import Supervision
 from ._core._policy import RestartPolicy
 from ._core._spec import DEFAULT_PREFIX, EnvSpec, check_seconds, make_output_spec, make_spec
 from ._local._launcher import LocalBackend
