@@ -16,6 +16,7 @@ import anyio
 import pytest
 
 import aiospawn
+from aiospawn._core._restarts import HISTORY_TAIL, NOTE_RECORDS
 from tests.fake_backend import FakeBackend, start_group
 
 pytestmark = pytest.mark.anyio
@@ -251,3 +252,30 @@ async def test_a_rank_that_never_beats_is_hung_after_the_startup_timeout() -> No
     with pytest.raises(aiospawn.ProcessHungException, match="startup_timeout") as caught:
         await join_while(ctx, never_beat)
     assert caught.value.error_index == 0
+
+
+async def test_the_restart_history_of_a_group_restarted_forever_stays_bounded() -> None:
+    # on="any" restarts a rank after each return: over a long life the group
+    # saw thousands of them, and kept (and reported) every one.
+    backend = FakeBackend()
+    policy = aiospawn.RestartPolicy(max_restarts=3, window=60, backoff=FAST, on="any")
+    ctx = await start_group(backend, nprocs=1, restart=policy)
+
+    async def return_for_long_then_fail_fast() -> None:
+        for attempt in range(200):
+            rank = await backend.started(0, attempt)
+            backend.clock.advance(100)
+            rank.returns()
+        for attempt in range(200, 204):
+            rank = await backend.started(0, attempt)
+            if attempt == 200:
+                backend.clock.advance(100)  # the returns' restarts leave the window
+            rank.raises(ValueError(f"run {attempt}"))
+
+    with pytest.raises(aiospawn.ProcessRaisedException) as caught:
+        await join_while(ctx, return_for_long_then_fail_fast)
+    restarts = caught.value.restarts
+    assert len(restarts) <= policy.max_restarts + 1 + HISTORY_TAIL
+    assert [record.restart for record in restarts[-4:]] == [200, 201, 202, 203]
+    [note] = [note for note in caught.value.__notes__ if "restart policy gave up" in note]
+    assert len(note.splitlines()) == NOTE_RECORDS + 1

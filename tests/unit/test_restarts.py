@@ -9,6 +9,8 @@ import pytest
 from aiospawn import Backoff, RestartPolicy
 from aiospawn._core._outcome import RankExit
 from aiospawn._core._restarts import (
+    HISTORY_TAIL,
+    NOTE_RECORDS,
     GiveUp,
     GroupView,
     Restart,
@@ -139,3 +141,27 @@ def test_the_tracker_records_neither_consequences_nor_failures_without_a_policy(
     untracked = RestartTracker(None)
     assert untracked.on_failure(failure(), 0, view(), 0.0, 0.0) == GiveUp(exceeded=False)
     assert tracker.history == untracked.history == ()
+
+
+def test_the_history_of_a_group_restarted_forever_stays_bounded() -> None:
+    # on="any" restarts a rank after every return: a group that runs for
+    # days makes thousands of records; the window needs only the recent ones.
+    policy = RestartPolicy(max_restarts=3, window=60, backoff=FAST, on="any")
+    tracker = RestartTracker(policy)
+    for attempt in range(5000):
+        returned = failure(0, exit_code=0)
+        decision = tracker.on_failure(returned, attempt, view(), now=100.0 * attempt, wall_time=0)
+        assert isinstance(decision, Restart)
+    assert len(tracker.history) == HISTORY_TAIL + 1
+    assert tracker.history[-1].restart == 4999
+    # Then failures in a burst: the give-up keeps every failure of the window.
+    now = 100.0 * 5000
+    for attempt in range(5000, 5004):
+        decision = tracker.on_failure(failure(0), attempt, view(), now=now, wall_time=0)
+    assert decision == GiveUp(exceeded=True)
+    assert [record.restart for record in tracker.history[-4:]] == [5000, 5001, 5002, 5003]
+    assert len(tracker.history) <= policy.max_restarts + 1 + HISTORY_TAIL
+    note = tracker.give_up_note().splitlines()
+    assert len(note) == NOTE_RECORDS + 1
+    assert "the last 10 of 5004 failures, oldest first:" in note[0]
+    assert note[-1].endswith("rank 0 (pid 100, restart 5003): exit code 1")

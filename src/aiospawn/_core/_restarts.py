@@ -9,6 +9,10 @@ answer is :func:`decide`, a pure function of the policy, a :class:`GroupView`
 snapshot, the times of recent restarts and ``now``; the tracker only keeps
 those times and the history. Carrying a restart out (stop, back off, start
 again) is the supervisor's part (``_group``).
+
+What is kept stays bounded however long a group runs: the times of the
+restarts inside the window (at most ``max_restarts``) and the failures inside
+the window plus the :data:`HISTORY_TAIL` before them.
 """
 
 from __future__ import annotations
@@ -20,6 +24,12 @@ from dataclasses import dataclass, field
 from ._backend import RankHandle
 from ._outcome import Hang, RankExit
 from ._policy import RestartPolicy, RestartRecord
+
+#: Failures kept beyond those inside the restart window, for the report.
+HISTORY_TAIL = 20
+
+#: Failures the give-up note lists at the most (the newest ones).
+NOTE_RECORDS = 10
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -140,6 +150,7 @@ class RestartTracker:
     restarts: int = 0
     _times: list[float] = field(default_factory=list)
     _history: deque[tuple[float, RestartRecord]] = field(default_factory=deque)
+    _failures: int = 0
 
     def on_failure(
         self, failure: RankExit | Hang, attempt: int, view: GroupView, now: float, wall_time: float
@@ -177,13 +188,19 @@ class RestartTracker:
         return tuple(record for _, record in self._history)
 
     def give_up_note(self) -> str:
-        """The note a give-up adds to the root cause's exception."""
+        """The note a give-up adds to the root cause's exception: short, newest last."""
         policy = self.policy
         assert policy is not None
-        lines = "\n".join(f"    {record}" for record in self.history)
+        shown = self.history[-NOTE_RECORDS:]
+        which = (
+            "the failures"
+            if len(shown) == self._failures
+            else f"the last {len(shown)} of {self._failures} failures"
+        )
+        lines = "\n".join(f"    {record}" for record in shown)
         return (
             f"restart policy gave up: more than max_restarts={policy.max_restarts}"
-            f" failures within {policy.window:g} s; the failures, oldest first:\n{lines}"
+            f" failures within {policy.window:g} s; {which}, oldest first:\n{lines}"
         )
 
     def _record(self, failure: RankExit | Hang, attempt: int, now: float, wall_time: float) -> None:
@@ -196,4 +213,11 @@ class RestartTracker:
             exit_code=failure.exit_code if isinstance(failure, RankExit) else None,
             time=wall_time,
         )
+        self._failures += 1
         self._history.append((now, record))
+        # Keep the failures inside the window (they explain a give-up) and a
+        # bounded tail before them: a group restarted on every return
+        # (on="any") would otherwise grow its history for its whole life.
+        inside = sum(1 for moment, _ in self._history if now - moment < self.policy.window)
+        for _ in range(len(self._history) - inside - HISTORY_TAIL):
+            self._history.popleft()
