@@ -1,6 +1,6 @@
 """The supervisor of one rank group, from its start to the last reap.
 
-(About 650 lines: this is the state machine. Its transitions, an exit, a
+(About 680 lines: this is the state machine. Its transitions, an exit, a
 failure, a restart step, a hang, the shutdown, read and write the same few
 facts; the decisions that need no state of their own are already apart, in
 ``_restarts``, ``_hangs`` and ``_outcome``.)
