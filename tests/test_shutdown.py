@@ -12,6 +12,7 @@ import pytest
 
 import aiospawn
 import aiospawn._core._shutdown
+from aiospawn._core._context import group_of
 from aiospawn._local._rank import LocalRank
 from tests import ranks
 from tests.helpers import Events, drain, is_reaped, receive_ready
@@ -181,4 +182,4 @@ async def test_a_rank_that_cannot_be_reaped_is_reported_instead_of_waited_for(
     finally:
         os.kill(pids[0], signal.SIGKILL)  # what the kernel would do once the rank wakes up
         with anyio.fail_after(30):
-            await ctx._ranks[0].wait()  # reap it and close its pipes
+            await group_of(ctx).attempt(0).wait()  # reap it and close its pipes

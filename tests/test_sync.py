@@ -34,6 +34,7 @@ import aiospawn
 import aiospawn._core._errors
 import aiospawn._core._shutdown
 import aiospawn.sync as sync
+from aiospawn._core._context import group_of
 from aiospawn._local._rank import LocalRank
 from tests import ranks, slow_import_module, torch_ranks
 from tests.helpers import is_running, live_children, wait_until
@@ -541,7 +542,8 @@ def test_the_shutdown_after_an_undelivered_sigkill_is_bounded(
         monkeypatch.undo()
         os.kill(pid1, signal.SIGKILL)
         # Let the core's watcher reap the rank and close its pidfd and pipe.
-        anyio.run(ctx._group._ranks[1].wait, backend="asyncio")  # type: ignore[union-attr]
+        assert ctx._group is not None
+        anyio.run(group_of(ctx._group).attempt(1).wait, backend="asyncio")
 
 
 def test_join_counts_an_exit_that_happened_between_calls() -> None:
@@ -559,7 +561,7 @@ def test_join_counts_an_exit_that_happened_between_calls() -> None:
             finally:
                 os.close(pidfd)
             with anyio.move_on_after(1):
-                return await ctx._join(None, None, until_all=False) is False
+                return await group_of(ctx).wait_step(None, None) is False
             return False
         finally:
             await ctx.terminate(grace_period=5)

@@ -9,7 +9,8 @@ from contextlib import asynccontextmanager
 from typing import Any, Literal, TypedDict, TypeVar, TypeVarTuple, Unpack, overload
 
 from ._core._backend import Backend
-from ._core._context import AsyncProcessContext, Supervision
+from ._core._context import AsyncProcessContext
+from ._core._group import Supervision
 from ._core._policy import RestartPolicy
 from ._core._spec import DEFAULT_PREFIX, EnvSpec, check_seconds, make_output_spec, make_spec
 from ._local._launcher import LocalBackend
@@ -237,16 +238,23 @@ async def spawn(
     Args, Returns, Raises and Cancellation: as for :func:`start_processes`.
     """
     if start_method != "spawn":
-        warn_spawn_only(start_method)
+        warn_spawn_only(start_method, "aiospawn.start_processes")
     return await start_processes(fn, args, nprocs, join, daemon, "spawn", **options)  # type: ignore[call-overload, no-any-return]
 
 
-def warn_spawn_only(start_method: str | None) -> None:
-    """Warn, in torch's words, that ``spawn()`` ignores ``start_method``."""
+def warn_spawn_only(start_method: str | None, instead: str) -> None:
+    """Warn, in torch's words, that ``spawn()`` ignores ``start_method``.
+
+    Args:
+        start_method: What the caller of ``spawn()`` passed.
+        instead: The function to call instead, named in the warning.
+
+    The warning points at the caller of the ``spawn()`` that calls this.
+    """
     warnings.warn(
         f"This method only supports start_method=spawn (got: {start_method}).\n"
         "To use a different start_method use:\n\t\t"
-        " aiospawn.start_processes(...)",
+        f" {instead}(...)",
         FutureWarning,
         stacklevel=3,
     )
@@ -317,11 +325,8 @@ async def _start_group(
         startup_timeout=options.get("startup_timeout"),
     )
     check_seconds("grace_period", supervision.grace_period)
-    for name in ("heartbeat_timeout", "startup_timeout"):
-        seconds = options.get(name)
-        check_seconds(name, seconds)
-        if seconds == 0:
-            raise ValueError(f"{name} must be more than 0 seconds, or None")
+    check_seconds("heartbeat_timeout", supervision.heartbeat_timeout, positive=True)
+    check_seconds("startup_timeout", supervision.startup_timeout, positive=True)
     if supervision.restart is not None and not isinstance(supervision.restart, RestartPolicy):
         raise TypeError(f"restart must be an aiospawn.RestartPolicy, got {supervision.restart!r}")
     backend = options.get("backend") or LocalBackend()

@@ -33,6 +33,7 @@ import anyio
 
 import aiospawn
 
+from ._core._spec import check_seconds
 from ._rank.programs import rank_function, rank_module, rank_program, rank_script, resolve_function
 
 if TYPE_CHECKING:
@@ -200,10 +201,11 @@ def _seconds(text: str) -> float:
 
     try:
         value = float(text)
+        check_seconds("SECONDS", value, allow_none=False, finite=True)
     except ValueError:
-        value = math.nan
-    if not value >= 0 or math.isinf(value):
-        raise argparse.ArgumentTypeError(f"wants a non-negative number of seconds, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"wants a non-negative number of seconds, got {text!r}"
+        ) from None
     return value
 
 

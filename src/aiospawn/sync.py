@@ -14,7 +14,7 @@ with the process (the core's parent guard watches the process, not a thread)::
     caller thread                          loop thread "aiospawn-sync-loop" (daemon)
     ─────────────                          ─────────────────────────────────────────
     start_processes() ───── portal ──────► AsyncProcessContext._start()
-    ProcessContext.join() ─ portal ──────► AsyncProcessContext._join(until_all=False)
+    ProcessContext.join() ─ portal ──────► its group's wait_step() (see _core._group)
         │ KeyboardInterrupt (or any         │ cancelled: SIGTERM, grace, SIGKILL, reap
         └ exception) cancels the call ────► └ then the caller's exception propagates
     joined (True), raised or terminated ─► portal stopped, the loop thread ends
@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import math
 import sys
 import threading
 import warnings
@@ -43,7 +42,8 @@ import anyio
 from anyio.from_thread import BlockingPortal
 
 from ._api import start_processes as _start_group
-from ._core._context import AsyncProcessContext
+from ._api import warn_spawn_only
+from ._core._context import AsyncProcessContext, group_of
 from ._core._errors import ProcessException, ProcessExitedException, ProcessRaisedException
 from ._core._spec import check_seconds, resolve_start_method
 
@@ -280,7 +280,9 @@ class ProcessContext:
             self._loop = None
         # The loop thread has ended: the group's state is ours to read.
         assert self._group is not None
-        self.sentinels = {self.processes[rank].sentinel: rank for rank in _unjoined(self._group)}
+        self.sentinels = {
+            self.processes[rank].sentinel: rank for rank in group_of(self._group).unjoined()
+        }
 
     def _replay(self) -> bool:
         if self._error is None:
@@ -502,13 +504,7 @@ def spawn(
     """
     _refuse_inside_event_loop("spawn()")
     if start_method != "spawn":
-        warnings.warn(
-            f"This method only supports start_method=spawn (got: {start_method}).\n"
-            "To use a different start_method use:\n\t\t"
-            " aiospawn.sync.start_processes(...)",
-            FutureWarning,
-            stacklevel=2,
-        )
+        warn_spawn_only(start_method, "aiospawn.sync.start_processes")
     return _start_processes(fn, args, nprocs, join, daemon, "spawn")
 
 
@@ -597,8 +593,12 @@ async def _join_step(
     grace_period: float | None,
     until_all: bool,
 ) -> tuple[bool, list[int]]:
-    done = await group._join(seconds, grace_period, until_all=until_all)
-    return done, _unjoined(group)
+    supervisor = group_of(group)
+    if until_all:
+        done = await supervisor.join(seconds, grace_period)
+    else:
+        done = await supervisor.wait_step(seconds, grace_period)
+    return done, supervisor.unjoined()
 
 
 async def _terminate_and_report(
@@ -607,15 +607,10 @@ async def _terminate_and_report(
     """Shut the group down (a no-op once it is over) and return what join() reports."""
     await group.terminate(grace_period)
     try:
-        await group._join(0, None, until_all=True)
+        await group.join(0)
     except ProcessException as error:
         return error
     return None
-
-
-def _unjoined(group: AsyncProcessContext[Any]) -> list[int]:
-    """The ranks whose exit has not been seen (never started, running, or stuck)."""
-    return [rank.rank for rank in group._ranks if rank.exit is None]
 
 
 def _fresh(error: ProcessException) -> ProcessException:
@@ -629,10 +624,10 @@ def _fresh(error: ProcessException) -> ProcessException:
 
 def _timeout_seconds(timeout: object) -> float | None:
     """torch passes ``timeout`` to ``multiprocessing.connection.wait``: negative means poll."""
+    check_seconds("timeout", timeout, allow_negative=True)
     if timeout is None:
         return None
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or math.isnan(timeout):
-        raise ValueError(f"timeout must be a number of seconds or None, got {timeout!r}")
+    assert isinstance(timeout, int | float)
     return max(float(timeout), 0.0)
 
 

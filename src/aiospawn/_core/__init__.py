@@ -5,6 +5,13 @@ detection, events, results and errors) talks to ranks only through the
 backend seam in ``_backend`` (``Backend`` -> ``GroupLauncher`` ->
 ``RankHandle``); it knows nothing of processes, pipes or Ray.
 
+Where things are: ``_context`` is the public handle, ``AsyncProcessContext``;
+``_group`` the supervisor behind it, which drives the group's state machine;
+``_restarts`` and ``_hangs`` its decisions (pure functions of a snapshot);
+``_outcome`` how ranks ended and the exceptions and results built from that;
+``_shutdown`` the escalation; ``_spec`` what a group runs and the checks of
+the user's arguments; ``_concurrency`` the small tools the rest share.
+
 Import rule: this package imports the standard library, anyio, and of the
 rest of aiospawn only ``aiospawn._rank.wire`` (the outcome frame a rank
 sends, which every backend hands back as it is). It never imports

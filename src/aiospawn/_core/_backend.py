@@ -12,7 +12,7 @@ in the same slot, made by the same launcher.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from ._capture import CaptureBuffer
@@ -21,6 +21,21 @@ from ._spec import LaunchSpec
 
 #: Called once per handle, on the event-loop thread, with the attempt's exit.
 OnExit = Callable[[RankExit], None]
+
+
+def raise_start_error(errors: Mapping[int, BaseException], count: int, where: str = "") -> None:
+    """Raise the start error of the lowest failing rank, with a note naming it.
+
+    The contract of :meth:`GroupLauncher.start`: whichever start failed first
+    in time, the report names the lowest rank, so that it reads the same on
+    every run. ``count`` is how many ranks were being started, ``where`` ends
+    the note (``" on Ray"``). Does nothing when ``errors`` is empty.
+    """
+    if errors:
+        index = min(errors)
+        error = errors[index]
+        error.add_note(f"aiospawn: raised while starting rank {index} of {count}{where}")
+        raise error
 
 
 class RankHandle(Protocol):
@@ -88,7 +103,8 @@ class GroupLauncher(Protocol):
         Ranks whose start did not happen have their resources released.
 
         Raises:
-            Exception: The start error of the lowest failing rank, with a note.
+            Exception: The start error of the lowest failing rank, with a note
+                (see :func:`raise_start_error`).
         """
 
     def new_rendezvous(self) -> None:

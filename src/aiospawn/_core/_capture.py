@@ -11,7 +11,7 @@ import collections
 from collections.abc import AsyncIterator
 from typing import NamedTuple
 
-import anyio
+from ._concurrency import Broadcast
 
 #: Captured lines held for ``ctx.output()`` before the ranks are held back.
 CAPTURE_BUFFER_LINES = 10_000
@@ -30,7 +30,7 @@ class CaptureBuffer:
 
     def __init__(self) -> None:
         self._lines: collections.deque[OutputLine] = collections.deque()
-        self._changed = anyio.Event()
+        self._changed = Broadcast()
         self._closed = False
 
     @property
@@ -41,12 +41,12 @@ class CaptureBuffer:
     def put(self, line: OutputLine) -> None:
         """Add a line; the bound is applied by readers waiting in :meth:`wait_for_room`."""
         self._lines.append(line)
-        self._notify()
+        self._changed.notify()
 
     def close(self) -> None:
         """No more lines will come: iteration ends once the buffer is empty."""
         self._closed = True
-        self._notify()
+        self._changed.notify()
 
     async def wait_for_room(self) -> None:
         """Wait while the buffer is full."""
@@ -58,12 +58,8 @@ class CaptureBuffer:
         while True:
             while self._lines:
                 line = self._lines.popleft()
-                self._notify()
+                self._changed.notify()
                 yield line
             if self._closed:
                 return
             await self._changed.wait()
-
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = anyio.Event()

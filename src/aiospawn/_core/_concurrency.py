@@ -1,10 +1,16 @@
-"""Run cleanup to completion, whatever cancellation arrives meanwhile.
+"""Small concurrency tools the supervision and the backends share.
 
-An anyio shielded cancel scope stops anyio and trio cancellation, but on
-asyncio a native ``Task.cancel()`` (from ``asyncio.timeout``, ``wait_for``,
-a ``TaskGroup`` or user code) still interrupts whatever the task awaits. So on
-asyncio the cleanup runs in a task of its own, and the caller awaits it through
-``asyncio.shield`` until it is done, then re-raises the cancellation it absorbed.
+- :func:`run_to_completion`: cleanup that finishes whatever cancellation
+  arrives meanwhile. An anyio shielded cancel scope stops anyio and trio
+  cancellation, but on asyncio a native ``Task.cancel()`` (from
+  ``asyncio.timeout``, ``wait_for``, a ``TaskGroup`` or user code) still
+  interrupts whatever the task awaits. So on asyncio the cleanup runs in a
+  task of its own, and the caller awaits it through ``asyncio.shield`` until
+  it is done, then re-raises the cancellation it absorbed.
+- :class:`Broadcast`: wakes every task waiting for "something changed".
+- :class:`SingleWatcher`: one task at a time does a wait that only one may
+  do (an fd has one waiter, a group one supervisor); the others wait for it,
+  and one of them takes over if it is cancelled.
 """
 
 from __future__ import annotations
@@ -54,3 +60,53 @@ async def run_to_completion(fn: Callable[[], Awaitable[T]]) -> T:
     if absorbed is not None:
         raise absorbed
     return result
+
+
+class Broadcast:
+    """Wakes every task waiting in :meth:`wait` when :meth:`notify` is called.
+
+    An ``anyio.Event`` can be set only once, so each notification sets the
+    current one and puts a fresh one in its place. A waiter checks its
+    condition, then waits, with no checkpoint in between, so no notification
+    can fall between the two.
+    """
+
+    def __init__(self) -> None:
+        self._event = anyio.Event()
+
+    def notify(self) -> None:
+        """Wake the tasks waiting now; later waiters wait for the next call."""
+        self._event.set()
+        self._event = anyio.Event()
+
+    async def wait(self) -> None:
+        """Wait for the next :meth:`notify`."""
+        await self._event.wait()
+
+
+class SingleWatcher:
+    """Lets one task at a time run a watch; the other callers wait for it.
+
+    The watch (``watch()`` passed to :meth:`run`) is a wait only one task may
+    do at a time: waiting on an fd (a second waiter gets ``BusyResourceError``)
+    or supervising a group. When the watcher returns or is cancelled, the
+    waiters wake and look again: if the watch is not finished, one of them
+    takes it over where it stopped. (An ``anyio.Lock`` would hand over on
+    cancellation too, but it wakes its waiters one at a time.)
+    """
+
+    def __init__(self) -> None:
+        self._watching: anyio.Event | None = None
+
+    async def run(self, finished: Callable[[], bool], watch: Callable[[], Awaitable[None]]) -> None:
+        """Return once ``finished()``, watching with ``watch()`` while nobody else does."""
+        while not finished():
+            if self._watching is not None:
+                await self._watching.wait()
+                continue
+            self._watching = done = anyio.Event()
+            try:
+                await watch()
+            finally:
+                self._watching = None
+                done.set()

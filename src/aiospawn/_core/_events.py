@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from time import monotonic
 from time import time as wall_clock
 
-import anyio
+from ._concurrency import Broadcast
 
 __all__ = [
     "EVENT_BUFFER",
@@ -172,18 +172,18 @@ class EventLog:
         self._events: deque[Event] = deque(maxlen=size)
         self._appended = 0  # sequence number of the next event
         self._closed = False
-        self._new = anyio.Event()
+        self._new = Broadcast()
 
     def append(self, event: Event) -> None:
         """Add an event; never waits."""
         self._events.append(event)
         self._appended += 1
-        self._wake()
+        self._new.notify()
 
     def close(self) -> None:
         """No more events will come: consumers finish once they have read the rest."""
         self._closed = True
-        self._wake()
+        self._new.notify()
 
     async def follow(self) -> AsyncGenerator[Event, None]:
         """Yield every event from the group's first, then each one as it comes."""
@@ -201,7 +201,3 @@ class EventLog:
                 return
             else:
                 await self._new.wait()
-
-    def _wake(self) -> None:
-        self._new.set()
-        self._new = anyio.Event()

@@ -1,10 +1,20 @@
-"""How one rank ended, and the exception that reports it."""
+"""How ranks ended: each rank's outcome, the group's exception, the group's results.
+
+:class:`RankExit` (an exit) and :class:`Hang` (a hang found by heartbeats)
+each build the exception that reports them; :func:`group_error` builds the one
+``join()`` raises for the whole group, from its root cause or, after
+``terminate()``, the lowest rank stopped; :func:`decode_results` unpickles
+what every rank returned.
+"""
 
 from __future__ import annotations
 
 import pickle
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import anyio
 
 from aiospawn._rank.wire import Kind
 
@@ -19,6 +29,12 @@ from ._errors import (
     raised_message,
     signal_name,
 )
+
+if TYPE_CHECKING:
+    from ._policy import RestartRecord
+
+#: Results larger than this are unpickled on a worker thread, not on the loop.
+DECODE_ON_THREAD_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -150,3 +166,80 @@ def _rebuild(exc_pickle: bytes | None, type_name: str, text: str) -> BaseExcepti
             if isinstance(exc, BaseException):
                 return exc
     return RemoteTraceback(type_name, text)
+
+
+def group_error(
+    root: RankExit | Hang | None,
+    exits: Sequence[RankExit | None],
+    *,
+    stuck: Sequence[tuple[int, int | None]] = (),
+    restarts: tuple[RestartRecord, ...] = (),
+    restart_error: Exception | None = None,
+    give_up_note: str | None = None,
+) -> ProcessException | None:
+    """The exception ``join()`` raises once a group has been shut down, if any.
+
+    Args:
+        root: The group's root cause, if a failure ended it.
+        exits: Each slot's last exit, index = rank. Without a root cause (the
+            group was terminated), the lowest rank that did not succeed is
+            reported.
+        stuck: ``(rank, pid)`` of the ranks that could not be reaped.
+        restarts: The restart history, for ``exc.restarts``.
+        restart_error: Why a restart could not happen, if that ended the group.
+        give_up_note: The restart policy's note, if it gave up.
+
+    Returns:
+        A fresh exception each call (so that every ``join()`` raises an equal
+        one), or None if every rank succeeded and none is stuck.
+    """
+    if root is not None:
+        error = root.exception()
+    else:
+        stopped = [exit for exit in exits if exit and not exit.succeeded]
+        if stopped:
+            error = stopped[0].exception()
+        elif stuck:
+            rank, pid = stuck[0]
+            error = ProcessException(f"process {rank} did not exit after SIGKILL", rank, pid or 0)
+        else:
+            return None
+    for rank, pid in stuck:
+        error.add_note(
+            f"rank {rank} (pid {pid}) did not exit after SIGKILL and could not be"
+            " reaped: it is probably in uninterruptible sleep (state D)"
+        )
+    if restarts:
+        error.restarts = restarts
+    if restart_error is not None:
+        error.add_note(f"aiospawn could not restart after it: {restart_error!r}")
+    if give_up_note is not None:
+        error.add_note(give_up_note)
+    return error
+
+
+async def decode_results(exits: Sequence[RankExit | None]) -> list[Any]:
+    """Unpickle what every rank returned, index = rank; large results off the loop.
+
+    Raises:
+        ProcessRaisedException: A value cannot be unpickled here (its class
+            is missing, say), naming the rank.
+    """
+    size = sum(len(exit.frame[1]) for exit in exits if exit and exit.frame)
+    if size > DECODE_ON_THREAD_BYTES:
+        return await anyio.to_thread.run_sync(_decode, exits)
+    return _decode(exits)
+
+
+def _decode(exits: Sequence[RankExit | None]) -> list[Any]:
+    values = []
+    for exit in exits:
+        assert exit is not None
+        try:
+            values.append(exit.value())
+        except Exception as exc:
+            text = f"the value rank {exit.rank} returned cannot be unpickled here: {exc!r}\n"
+            raise ProcessRaisedException(
+                raised_message(exit.rank, text), exit.rank, exit.pid
+            ) from exc
+    return values

@@ -12,14 +12,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from ._spec import check_seconds
+
 __all__ = ["Backoff", "RestartPolicy", "RestartRecord"]
-
-
-def _check_seconds(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    if value < 0:
-        raise ValueError(f"{name} must be non-negative, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,11 +34,18 @@ class Backoff:
     max: float = 30.0
 
     def __post_init__(self) -> None:
-        _check_seconds("Backoff.initial", self.initial)
-        _check_seconds("Backoff.max", self.max)
-        _check_seconds("Backoff.factor", self.factor)
-        if self.factor < 1:
-            raise ValueError(f"Backoff.factor must be at least 1, got {self.factor!r}")
+        check_seconds("Backoff.initial", self.initial, allow_none=False, finite=True)
+        check_seconds("Backoff.max", self.max, allow_none=False, finite=True)
+        factor = self.factor
+        if (
+            isinstance(factor, bool)
+            or not isinstance(factor, int | float)
+            or not math.isfinite(factor)
+            or factor < 1
+        ):
+            raise ValueError(
+                f"Backoff.factor must be a finite number of at least 1, got {factor!r}"
+            )
 
     def delay(self, recent_restarts: int) -> float:
         """Seconds to wait before a restart that follows ``recent_restarts`` others."""
@@ -90,10 +92,8 @@ class RestartPolicy:
             or self.max_restarts < 0
         ):
             raise ValueError(f"max_restarts must be a non-negative int, got {self.max_restarts!r}")
-        if isinstance(self.window, bool) or not isinstance(self.window, int | float):
-            raise ValueError(f"window must be a number of seconds, got {self.window!r}")
-        if not self.window > 0:  # math.inf counts every restart, as torchrun does
-            raise ValueError(f"window must be positive, got {self.window!r}")
+        # math.inf counts every restart, as torchrun does.
+        check_seconds("window", self.window, allow_none=False, positive=True)
         if not isinstance(self.backoff, Backoff):
             raise TypeError(f"backoff must be an aiospawn.Backoff, got {self.backoff!r}")
         if self.strategy not in ("one_for_all", "one_for_one"):

@@ -4,12 +4,13 @@ A :class:`LaunchSpec` is the backend-independent description of a group: the
 function and arguments every rank runs, how many ranks, the start method, the
 environment and where output goes. :func:`make_spec` and
 :func:`make_output_spec` check the user's arguments and say what to do instead;
-nothing has started when they raise. :func:`check_seconds` is the one rule
-for options that are a number of seconds.
+nothing has started when they raise. :func:`check_seconds` is the one check
+of options that are a number of seconds.
 """
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import os
 import pickle
@@ -185,12 +186,49 @@ def check_nprocs(nprocs: object) -> None:
         )
 
 
-def check_seconds(name: str, value: object, *, allow_none: bool = True) -> None:
-    """Raise ValueError unless ``value`` is a non-negative number of seconds (or None)."""
+def check_seconds(
+    name: str,
+    value: object,
+    *,
+    allow_none: bool = True,
+    allow_negative: bool = False,
+    positive: bool = False,
+    finite: bool = False,
+) -> None:
+    """Raise ValueError unless ``value`` is a number of seconds as the option ``name`` takes it.
+
+    The one check for every option that is a number of seconds: an int or
+    float, never a bool or NaN, and by default non-negative (``math.inf``
+    allowed: "no limit") or ``None``. Each option states its own rule with
+    the flags, and the message states that rule:
+    ``grace_period must be a non-negative number of seconds or None, got -1``.
+
+    Args:
+        name: The option, as the message names it.
+        value: What was passed.
+        allow_none: ``None`` is allowed (it means "no limit" or "the default").
+        allow_negative: Any number is allowed (``sync``'s ``timeout``, which
+            torch treats as "check without waiting" when negative).
+        positive: Zero is refused too.
+        finite: ``math.inf`` is refused too.
+    """
     if value is None and allow_none:
         return
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
-        raise ValueError(f"{name} must be a non-negative number of seconds or None, got {value!r}")
+    number = not isinstance(value, bool) and isinstance(value, int | float)
+    if number:
+        assert isinstance(value, int | float)
+        valid = (
+            not math.isnan(value)
+            and (allow_negative or (value > 0 if positive else value >= 0))
+            and (not finite or math.isfinite(value))
+        )
+        if valid:
+            return
+    sign = "" if allow_negative else "positive " if positive else "non-negative "
+    rule = (
+        f"a {'finite ' if finite else ''}{sign}number of seconds{' or None' if allow_none else ''}"
+    )
+    raise ValueError(f"{name} must be {rule}, got {value!r}")
 
 
 def _check_importable(fn: Callable[..., Any], method: str) -> None:

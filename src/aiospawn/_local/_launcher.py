@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 from anyio.lowlevel import checkpoint
 
-from aiospawn._core._backend import OnExit
+from aiospawn._core._backend import OnExit, raise_start_error
 from aiospawn._core._capture import CaptureBuffer
 from aiospawn._core._env import free_port, rank_environment, torchrun_environment
 from aiospawn._core._spec import LaunchSpec
@@ -160,8 +160,4 @@ async def start_ranks(ranks: Sequence[LocalRank], start_method: str) -> None:
         for rank in ranks:
             if not rank.started:
                 rank.discard()
-    if errors:
-        first = min(errors)
-        error = errors[first]
-        error.add_note(f"aiospawn: raised while starting rank {first} of {len(ranks)}")
-        raise error
+    raise_start_error(errors, len(ranks))

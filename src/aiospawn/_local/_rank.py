@@ -10,8 +10,8 @@ and records a :class:`~aiospawn._outcome.RankExit`.
 
 Only one task at a time waits on a rank's fds (a second waiter would get
 ``BusyResourceError``): :meth:`LocalRank.wait` lets the first caller watch and
-makes the others wait on an event; if the watcher is cancelled, one of them
-takes over where it stopped.
+makes the others wait for it (``SingleWatcher``); if the watcher is cancelled,
+one of them takes over where it stopped.
 """
 
 from __future__ import annotations
@@ -20,11 +20,12 @@ import contextlib
 import multiprocessing.process
 import os
 import signal
-from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 
 import anyio
 
+from aiospawn._core._backend import OnExit
+from aiospawn._core._concurrency import SingleWatcher
 from aiospawn._core._outcome import RankExit
 from aiospawn._rank.wire import ChildEnd, FrameReader
 
@@ -62,7 +63,7 @@ class LocalRank:
         output: RankOutput,
         *,
         exit_via_sentinel: bool,
-        on_exit: Callable[[RankExit], None],
+        on_exit: OnExit,
         progress: RankProgress | None = None,
     ) -> None:
         self.rank = rank
@@ -80,7 +81,7 @@ class LocalRank:
         self._started = False
         self._stopped_by_us = False
         self._exit: RankExit | None = None
-        self._watcher_done: anyio.Event | None = None
+        self._watcher = SingleWatcher()
 
     @property
     def started(self) -> bool:
@@ -152,17 +153,9 @@ class LocalRank:
 
     async def wait(self) -> RankExit:
         """Wait until the rank has exited and been reaped; return how it ended."""
-        while self._exit is None:
-            if self._watcher_done is not None:
-                await self._watcher_done.wait()
-                continue
-            self._watcher_done = done = anyio.Event()
-            try:
-                await self._watch()
-            finally:
-                self._watcher_done = None
-                done.set()
+        await self._watcher.run(lambda: self._exit is not None, self._watch)
         await anyio.lowlevel.checkpoint()
+        assert self._exit is not None
         return self._exit
 
     def send_signal(self, signum: int) -> bool:

@@ -39,13 +39,12 @@ the standard library, anyio, ray (lazily: never at import time),
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 from aiospawn._core._capture import CaptureBuffer
-from aiospawn._core._spec import LaunchSpec
+from aiospawn._core._spec import LaunchSpec, check_seconds
 
 if TYPE_CHECKING:
     from ._launcher import RayLauncher
@@ -112,11 +111,14 @@ class RayBackend:
                 "resources_per_rank must map Ray resource names to non-negative numbers,"
                 f" at least one of them positive, such as {{'CPU': 1}}; got {resources!r}"
             )
-        timeout = self.placement_timeout
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
-            raise ValueError(f"placement_timeout must be a positive number, got {timeout!r}")
-        if math.isinf(timeout):
-            raise ValueError("placement_timeout must be finite: an unplaceable group waits forever")
+        # Finite: a group that cannot be placed would wait forever.
+        check_seconds(
+            "placement_timeout",
+            self.placement_timeout,
+            allow_none=False,
+            positive=True,
+            finite=True,
+        )
 
     async def open(self, spec: LaunchSpec, capture: CaptureBuffer | None) -> RayLauncher:
         """Connect to the cluster and reserve the group's resources; nothing runs yet.

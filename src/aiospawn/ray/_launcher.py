@@ -33,7 +33,7 @@ from typing import Any
 import anyio
 from anyio.lowlevel import checkpoint
 
-from aiospawn._core._backend import OnExit
+from aiospawn._core._backend import OnExit, raise_start_error
 from aiospawn._core._concurrency import run_to_completion
 from aiospawn._core._env import rank_environment, torchrun_environment
 from aiospawn._core._spec import LaunchSpec
@@ -254,11 +254,7 @@ class RayLauncher:
             unstarted = [rank.actor for rank in ranks if not rank.started]
             if unstarted:
                 await run_to_completion(lambda: anyio.to_thread.run_sync(_kill, unstarted))
-        if errors:
-            index = min(errors)
-            error = errors[index]
-            error.add_note(f"aiospawn: raised while starting rank {index} of {len(ranks)} on Ray")
-            raise error
+        raise_start_error(errors, len(ranks), " on Ray")
 
     def _put_work(self) -> Any:
         # Pickled here, unpickled by each rank after its environment is set.

@@ -1,11 +1,12 @@
 """One rank attempt run by a Ray actor: its sentinel, its stop signals, its exit.
 
-The actor's ``run()`` result is the rank's sentinel (see ``_bridge``):
-one task waits on it, the others on an event, as ``LocalRank.wait`` does. How
-the call ended becomes the same :class:`~aiospawn._core._outcome.RankExit` a local
-rank makes: ``fn``'s own frame when it returned, raised or called
-``sys.exit()``; a worker process or node that died becomes an ``EXITED`` frame
-saying so, with Ray's account of it as the exit's note.
+The actor's ``run()`` result is the rank's sentinel (see ``_bridge``): one
+task waits on it, the others for that one (``SingleWatcher``), as
+``LocalRank.wait`` does. How the call ended becomes the same
+:class:`~aiospawn._core._outcome.RankExit` a local rank makes: ``fn``'s own
+frame when it returned, raised or called ``sys.exit()``; a worker process or
+node that died becomes an ``EXITED`` frame saying so, with Ray's account of it
+as the exit's note.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import anyio
 from anyio.lowlevel import checkpoint
 
 from aiospawn._core._backend import OnExit
+from aiospawn._core._concurrency import SingleWatcher
 from aiospawn._core._outcome import RankExit
 from aiospawn._rank.wire import Kind, encode_exception
 
@@ -62,7 +64,7 @@ class RayRank:
         self._exit: RankExit | None = None
         self._stopped_by_us = False
         self._last_signal: int | None = None
-        self._watcher_done: anyio.Event | None = None
+        self._watcher = SingleWatcher()
         self._done = anyio.Event()  # replaced in begin()
 
     @property
@@ -112,16 +114,7 @@ class RayRank:
         """Wait for the exit. Several tasks may call this at once; one watches."""
         if self._future is None:
             raise RuntimeError(f"rank {self.rank} has not been started")
-        while self.poll() is None:
-            if self._watcher_done is not None:
-                await self._watcher_done.wait()
-                continue
-            self._watcher_done = done = anyio.Event()
-            try:
-                await self._done.wait()
-            finally:
-                self._watcher_done = None
-                done.set()
+        await self._watcher.run(lambda: self.poll() is not None, self._done.wait)
         await checkpoint()
         assert self._exit is not None
         return self._exit

@@ -1,0 +1,678 @@
+"""The supervisor of one rank group, from its start to the last reap.
+
+(About 680 lines: this is the state machine. Its transitions, an exit, a
+failure, a restart step, a hang, the shutdown, read and write the same few
+facts; the decisions that need no state of their own are already apart, in
+``_restarts``, ``_hangs`` and ``_outcome``.)
+
+:class:`~aiospawn.AsyncProcessContext` is the public handle; this module's
+:class:`Group` owns the state and drives it. A group's state is derived from
+its ranks and a few facts (start finished, root failure, restart pending,
+shutdown begun), never stored twice::
+
+    starting ──► running ──┬──────────────────────────────► reaped (all returned)
+       │                   │ a rank fails (exits badly, or hangs)
+       │                   ├──► restart policy allows it ──► restarting ──► running
+       │                   │     (one_for_all: the group is stopped first;
+       │                   │      backoff; then the slot(s) start again)
+       │                   ├──► failing ───┐  optional grace wait
+       │                   │ terminate() / │
+       │                   │ cancellation  ▼
+       │                   └──► terminating ──► SIGTERM ─► grace ─► SIGKILL ─► reaped
+       │ start error or cancellation                ▲
+       └────────────────────────────────────────────┘
+
+Each slot holds the current attempt at its rank (a ``RankHandle`` from the
+group's launcher; a restart puts a new one in the slot). Every exit is seen by
+exactly one watcher (``RankHandle.wait``) and reported through
+:meth:`Group._on_exit`. What follows a failure is the restart tracker's
+decision (``_restarts``); which ranks are hung, the hang watch's (``_hangs``);
+the exception and the results are built by ``_outcome``. The first failure
+that the restart policy does not absorb, not caused by us, is the root cause;
+every ``join()`` raises an exception equal to the one built from it.
+
+Supervision runs in whichever task waits on the group (``join()`` or an
+``async with`` block), one at a time (``SingleWatcher``); the others wait for
+it. It can stop and resume at any point: a pending restart keeps its due
+time, and a rank's watcher resumes where it stopped.
+
+The internal interface that ``aiospawn.sync`` uses, beside the handle's:
+:meth:`Group.wait_step` (``join()`` that also returns after any one exit, as
+torch's ``join()`` does), :meth:`Group.unjoined` and :meth:`Group.attempt`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import signal
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Generic, TypeVar
+
+import anyio
+import anyio.abc
+from anyio.lowlevel import checkpoint
+
+from ._backend import Backend, GroupLauncher, RankHandle
+from ._capture import CaptureBuffer
+from ._concurrency import Broadcast, SingleWatcher, run_to_completion
+from ._errors import ProcessException, signal_name
+from ._events import (
+    EventLog,
+    Exited,
+    GroupStatistics,
+    Hung,
+    RankStatistics,
+    Restarting,
+    Started,
+    Stopped,
+    Terminating,
+)
+from ._hangs import HangWatch, Overdue, Watched
+from ._log import logger
+from ._outcome import Hang, RankExit, decode_results, group_error
+from ._policy import RestartPolicy
+from ._restarts import GiveUp, GroupView, PendingRestart, RestartTracker
+from ._shutdown import Shutdown
+from ._spec import LaunchSpec
+
+T = TypeVar("T")
+
+#: Seconds a hung rank gets to write its stacks before it is stopped anyway.
+STACK_TIMEOUT = 1.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Supervision:
+    """How a group is watched: the options beyond what its ranks run.
+
+    Attributes:
+        grace_period: The group's default seconds from SIGTERM to SIGKILL.
+        restart: The restart policy, or None to fail at the first failure.
+        heartbeat_timeout: Seconds a rank may go between heartbeats.
+        startup_timeout: Seconds a rank may take to send its first heartbeat.
+        clock: The monotonic clock that heartbeat timeouts, restart windows
+            and backoffs are measured on; the supervision's unit tests pass a
+            fake one.
+    """
+
+    grace_period: float | None = None
+    restart: RestartPolicy | None = None
+    heartbeat_timeout: float | None = None
+    startup_timeout: float | None = None
+    clock: Callable[[], float] = time.monotonic
+
+    @property
+    def watches_heartbeats(self) -> bool:
+        """True when ranks get heartbeat slots and may be found hung."""
+        return self.heartbeat_timeout is not None or self.startup_timeout is not None
+
+
+class Group(Generic[T]):
+    """The state of one rank group and the supervision that moves it on."""
+
+    def __init__(
+        self,
+        spec: LaunchSpec,
+        launcher: GroupLauncher,
+        supervision: Supervision,
+        capture: CaptureBuffer | None,
+    ) -> None:
+        self.spec = spec
+        self.capture = capture
+        self.events = EventLog()
+        self._launcher = launcher
+        self._supervision = supervision
+        self._clock = supervision.clock
+        self._hangs = (
+            HangWatch(
+                heartbeat_timeout=supervision.heartbeat_timeout,
+                startup_timeout=supervision.startup_timeout,
+            )
+            if supervision.watches_heartbeats
+            else None
+        )
+        self._tracker = RestartTracker(supervision.restart)
+        self._restarts = [0] * spec.nprocs  # per slot: the current attempt's number
+        self._ranks: list[RankHandle] = self._make_ranks(range(spec.nprocs))
+        self._last_starts: list[Started | None] = [None] * spec.nprocs
+        self._last_exits: list[Exited | None] = [None] * spec.nprocs
+        self._started = anyio.Event()
+        self._starting: anyio.Event | None = None  # set when a restart's start finishes
+        self._root: RankExit | Hang | None = None
+        self._restart_error: Exception | None = None
+        self._hung: set[RankHandle] = set()  # attempts found hung
+        self._probing: set[RankHandle] = set()  # attempts whose stacks are being taken
+        self._shutdown: Shutdown | None = None
+        self._shutdown_done = anyio.Event()
+        self._stuck: list[RankHandle] = []
+        self._results: list[T] | None = None
+        self._body: anyio.abc.TaskGroup | None = None
+        self._supervisor = SingleWatcher()
+        self._changed = Broadcast()
+        self._exits_seen = 0
+
+    @classmethod
+    async def start(cls, spec: LaunchSpec, supervision: Supervision, backend: Backend) -> Group[T]:
+        """Start every rank of ``spec``; on any error or cancellation, stop those that started."""
+        capture = CaptureBuffer() if spec.output.captures else None
+        launcher = await backend.open(spec, capture)
+        self = cls(spec, launcher, supervision, capture)
+        try:
+            await self._launch(self._ranks)
+        except BaseException:
+            self._started.set()
+            await self._shut_down(None, after_failure=False)
+            raise
+        self._started.set()
+        return self
+
+    # ------------------------------------------------------------ what it shows
+
+    @property
+    def attempts(self) -> list[RankHandle]:
+        """The current attempt at each rank, index = rank."""
+        return list(self._ranks)
+
+    def attempt(self, index: int) -> RankHandle:
+        """The current attempt at rank ``index``."""
+        return self._ranks[index]
+
+    def unjoined(self) -> list[int]:
+        """The ranks whose exit has not been seen (never started, running, or stuck)."""
+        return [rank.rank for rank in self._ranks if rank.exit is None]
+
+    @property
+    def results(self) -> list[T] | None:
+        """What each rank returned, once ``join()`` has returned True."""
+        return self._results
+
+    def statistics(self) -> GroupStatistics:
+        """A snapshot: ranks alive, each rank's state, restarts, last exits."""
+        pending = self._tracker.pending_slots()
+        ranks = []
+        for index, rank in enumerate(self._ranks):
+            if index in pending and (rank.exit is not None or not rank.started):
+                state = "restarting"
+            elif not rank.started:  # starting, or never will: its slot is done
+                state = "exited" if self._finished() else "starting"
+            elif rank.exit is not None:
+                state = "exited"
+            elif self._shutdown is not None or rank in self._hung or index in pending:
+                state = "stopping"
+            else:
+                state = "running"
+            ranks.append(
+                RankStatistics(
+                    rank=index,
+                    pid=rank.pid,
+                    state=state,
+                    restarts=self._restarts[index],
+                    last_start=self._last_starts[index],
+                    last_exit=self._last_exits[index],
+                )
+            )
+        return GroupStatistics(
+            alive=self._running(), restarts=self._tracker.restarts, ranks=tuple(ranks)
+        )
+
+    def summary(self) -> str:
+        """The state, as the handle's ``repr`` shows it: `` running=3 failed=rank 2 (SIGKILL)``."""
+        state = f" running={self._running()}" if self._started.is_set() else " starting"
+        if self._tracker.restarts:
+            state += f" restarts={self._tracker.restarts}"
+        if self._root is not None:
+            state += f" failed=rank {self._root.rank} ({self._root.summary()})"
+        return state
+
+    def _running(self) -> int:
+        return sum(1 for rank in self._ranks if rank.started and rank.exit is None)
+
+    # ---------------------------------------------------------- what it is asked
+
+    async def join(self, timeout: float | None, grace_period: float | None) -> bool:
+        """``AsyncProcessContext.join()``, its arguments checked."""
+        return await self._join(timeout, grace_period, until_all=True)
+
+    async def wait_step(self, timeout: float | None, grace_period: float | None) -> bool:
+        """:meth:`join`, which also returns (False) after any one exit, as torch's does."""
+        return await self._join(timeout, grace_period, until_all=False)
+
+    async def terminate(self, grace_period: float | None) -> None:
+        """``AsyncProcessContext.terminate()``, its argument checked."""
+        await self._shut_down(grace_period, after_failure=False)
+
+    @property
+    def in_block(self) -> bool:
+        """True while an ``async with`` block supervises the group."""
+        return self._body is not None
+
+    async def enter_block(self) -> None:
+        """Supervise the group in the background while an ``async with`` block runs."""
+        assert self._body is None
+        body = anyio.create_task_group()
+        await body.__aenter__()
+        body.start_soon(self._supervise)
+        self._body = body
+
+    async def exit_block(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        """End the block: as ``join()`` if it ended, else shut down; True to swallow ``exc``."""
+        body, self._body = self._body, None
+        assert body is not None
+        try:
+            if exc is not None and not isinstance(exc, anyio.get_cancelled_exc_class()):
+                # The block raised: stop the ranks and let its exception through,
+                # unwrapped (a task group would put it in an ExceptionGroup).
+                body.cancel_scope.cancel()
+                await body.__aexit__(None, None, None)
+                await self._shut_down(None, after_failure=False)
+                return False
+            ours = await body.__aexit__(exc_type, exc, tb)
+        except BaseException:
+            await self._shut_down(None, after_failure=False)
+            raise
+        if exc is not None and not ours:  # cancelled from outside the block
+            await self._shut_down(None, after_failure=False)
+            return False
+        # The block ended, or we cancelled it because a rank failed: finish as
+        # join() does, which raises that failure.
+        await self.join(None, None)
+        return exc is not None
+
+    # ------------------------------------------------------------------ exits
+
+    def _on_exit(self, exit: RankExit) -> None:
+        """Record one attempt's exit (called once per attempt, on the loop thread)."""
+        handle = self._ranks[exit.rank]
+        exited = Exited(
+            rank=exit.rank,
+            pid=exit.pid,
+            exit_code=exit.exit_code,
+            signal_name=signal_name(exit.exit_code) if exit.exit_code < 0 else None,
+            outcome=exit.summary(),
+            stopped_by_us=exit.stopped_by_us,
+        )
+        self._last_exits[exit.rank] = exited
+        self.events.append(exited)
+        self._exits_seen += 1
+        if not exit.stopped_by_us and handle not in self._hung:
+            policy = self._supervision.restart
+            if not exit.succeeded or (policy is not None and policy.on == "any"):
+                self._failed(exit)
+        if exit.rank not in self._tracker.pending_slots():
+            self.events.append(Stopped(rank=exit.rank, pid=exit.pid))
+        self._close_if_over()
+        self._changed.notify()
+
+    def _failed(self, failure: RankExit | Hang) -> None:
+        """Restart as the policy allows, or make ``failure`` the group's root cause."""
+        if self._root is not None:
+            return
+        now = self._clock()
+        running = {rank.rank for rank in self._ranks if rank.started and rank.exit is None}
+        view = GroupView(
+            nprocs=len(self._ranks),
+            running=frozenset(running),
+            restarting=bool(self._tracker.pending),
+            shutting_down=self._shutdown is not None,
+        )
+        decision = self._tracker.on_failure(
+            failure, self._restarts[failure.rank], view, now, time.time()
+        )
+        if decision is None:
+            return  # the group is being restarted: this is a consequence, not a cause
+        if isinstance(decision, GiveUp):
+            self._give_up(failure)
+            return
+        policy = self._tracker.policy
+        assert policy is not None
+        stop = [self._ranks[index] for index in decision.stop]
+        self._tracker.pending.append(
+            PendingRestart(list(decision.slots), now + decision.delay, stop, failure)
+        )
+        logger.warning(
+            "Rank %d (pid %d) failed (%s); restarting %s in %.3g s (restart %d of at most %d"
+            " within %g s)\n%s",
+            failure.rank,
+            failure.pid,
+            failure.summary(),
+            "the group" if policy.strategy == "one_for_all" else "it",
+            decision.delay,
+            decision.attempt,
+            policy.max_restarts,
+            policy.window,
+            str(failure.exception()).strip("\n"),
+        )
+
+    def _give_up(self, failure: RankExit | Hang) -> None:
+        self._root = failure
+        self._drop_pending()
+        if self._body is not None:  # an async with block runs: stop it now
+            self._body.cancel_scope.cancel()
+
+    def _drop_pending(self) -> None:
+        """Cancel the pending restarts: the slots that wait for one are finished."""
+        for index in sorted(self._tracker.pending_slots()):
+            rank = self._ranks[index]
+            if rank.exit is not None:
+                self.events.append(Stopped(rank=index, pid=rank.pid))
+        self._tracker.pending.clear()
+
+    def _over(self) -> bool:
+        """True once no rank runs and none will be started again."""
+        return not self._tracker.pending and all(
+            rank.exit is not None
+            or (self._started.is_set() and self._starting is None and not rank.started)
+            for rank in self._ranks
+        )
+
+    def _finished(self) -> bool:
+        return self._root is not None or self._shutdown is not None or self._over()
+
+    def _close_if_over(self) -> None:
+        """End the events and output iterations once nothing more can come."""
+        if self._over():
+            self.events.close()
+            if self.capture is not None:
+                self.capture.close()
+
+    # ------------------------------------------------------------ supervision
+
+    async def _join(
+        self, timeout: float | None, grace_period: float | None, *, until_all: bool
+    ) -> bool:
+        try:
+            await checkpoint()
+            if self._root is None and self._shutdown is None:
+                exited = self._exits_seen
+                for rank in self._ranks:
+                    rank.poll()
+                # Without until_all, an exit this poll found is the one to report.
+                wait = until_all or self._exits_seen == exited
+                if wait and self._root is None and not self._over() and timeout != 0:
+                    with anyio.move_on_after(math.inf if timeout is None else timeout):
+                        if until_all:
+                            await self._supervise()
+                        else:
+                            await self._supervise_until_an_exit()
+        except BaseException:
+            await self._shut_down(grace_period, after_failure=False)
+            raise
+        if self._root is not None or self._shutdown is not None:
+            await self._shut_down(grace_period, after_failure=self._root is not None)
+            error = self._error()
+            if error is not None:
+                try:
+                    raise error
+                finally:
+                    # The traceback holds this frame: a local bound to the
+                    # exception would keep both alive until the cyclic GC runs.
+                    del error
+        if not self._over():
+            return False
+        await run_to_completion(self._launcher.aclose)
+        if self._results is None:
+            self._results = await decode_results([rank.exit for rank in self._ranks])
+        return True
+
+    async def _supervise_until_an_exit(self) -> None:
+        exited = self._exits_seen
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._supervise)
+            while self._exits_seen == exited and not self._finished():
+                await self._changed.wait()
+            tg.cancel_scope.cancel()
+
+    async def _supervise(self) -> None:
+        """Watch the group until it is over or has failed; one task at a time."""
+        await self._supervisor.run(self._finished, self._run_supervisor)
+
+    async def _run_supervisor(self) -> None:
+        async with anyio.create_task_group() as watchers:
+            self._watch(watchers, self._ranks)
+            if self._hangs is not None:
+                watchers.start_soon(self._watch_heartbeats, self._hangs)
+            while not self._finished():
+                if self._tracker.pending:
+                    await self._restart(watchers)
+                else:
+                    await self._changed.wait()
+            watchers.cancel_scope.cancel()
+
+    def _watch(self, watchers: anyio.abc.TaskGroup, ranks: Iterable[RankHandle]) -> None:
+        for rank in ranks:
+            if rank.started and rank.exit is None:
+                watchers.start_soon(rank.wait)
+
+    # --------------------------------------------------------------- restarts
+
+    async def _restart(self, watchers: anyio.abc.TaskGroup) -> None:
+        """Make progress on the pending restarts: stop, back off, start again.
+
+        Returns after each step, or when something changed, so that the
+        supervisor looks at the group afresh (a new failure, a shutdown).
+        """
+        pending = self._tracker.pending
+        stop = [rank for restart in pending for rank in restart.stop]
+        if stop:
+            failure = pending[0].failure
+            for restart in pending:
+                restart.stop = []
+            shutdown = Shutdown(
+                self._supervision.grace_period, wait_first=False, on_signal=self._signalled
+            )
+            stuck = await run_to_completion(lambda: shutdown.run(stop))
+            if stuck:  # a rank that cannot be reaped cannot be replaced either
+                self._stuck += stuck
+                self._failed_restart(failure, None)
+            return
+        now = self._clock()
+        for restart in pending:
+            if not restart.announced:
+                restart.announced = True
+                for index in restart.slots:
+                    self.events.append(
+                        Restarting(
+                            rank=index,
+                            pid=self._ranks[index].pid,
+                            attempt=self._restarts[index] + 1,
+                            delay=max(0.0, restart.due - now),
+                        )
+                    )
+        first = min(pending, key=lambda restart: restart.due)
+        with anyio.move_on_after(first.due - now):
+            await self._changed.wait()
+            return
+        if first not in pending or self._finished():
+            return  # dropped (terminate(), a failure the policy gave up on) meanwhile
+        pending.remove(first)
+        # Started to the end, whoever is cancelled meanwhile: a slot left with
+        # an attempt that never started would read as finished.
+        try:
+            fresh = await run_to_completion(lambda: self._start_again(first.slots))
+        except Exception as exc:
+            self._failed_restart(first.failure, exc)
+            return
+        self._tracker.restarts += 1
+        self._watch(watchers, fresh)
+        self._changed.notify()  # the heartbeat watcher has new ranks to watch
+
+    async def _start_again(self, slots: Sequence[int]) -> list[RankHandle]:
+        """Make and start the next attempt at each of ``slots``."""
+        if len(slots) == len(self._ranks):
+            self._launcher.new_rendezvous()
+        fresh = self._make_ranks(slots, [self._restarts[index] + 1 for index in slots])
+        for rank in fresh:
+            self._hung.discard(self._ranks[rank.rank])
+            self._restarts[rank.rank] += 1
+            self._ranks[rank.rank] = rank
+        self._starting = starting = anyio.Event()
+        try:
+            await self._launch(fresh)
+        finally:
+            self._starting = None
+            starting.set()
+        return fresh
+
+    def _make_ranks(
+        self, slots: Sequence[int], restarts: Sequence[int] | None = None
+    ) -> list[RankHandle]:
+        """Make (not start) an attempt for each slot; on an error, release those made."""
+        made: list[RankHandle] = []
+        try:
+            for index, restart in zip(slots, restarts or [0] * len(slots), strict=True):
+                made.append(self._launcher.make_rank(index, restart, self._on_exit))
+        except BaseException:
+            for rank in made:
+                rank.discard()
+            raise
+        return made
+
+    def _failed_restart(self, failure: RankExit | Hang, error: Exception | None) -> None:
+        """A restart could not happen: the failure it answered is the group's root cause."""
+        if self._root is None:
+            self._restart_error = error
+            self._give_up(failure)
+        self._changed.notify()
+
+    async def _launch(self, ranks: Sequence[RankHandle]) -> None:
+        try:
+            await self._launcher.start(ranks)
+        finally:  # those that started, even when others could not
+            for rank in ranks:
+                if rank.started:
+                    started = Started(
+                        rank=rank.rank,
+                        pid=rank.pid,
+                        restart=self._restarts[rank.rank],
+                        time=self._clock(),
+                    )
+                    self._last_starts[rank.rank] = started
+                    self.events.append(started)
+
+    # ------------------------------------------------------------------ hangs
+
+    async def _watch_heartbeats(self, hangs: HangWatch) -> None:
+        """Find ranks that stopped beating (or never began) and report them hung."""
+        while True:
+            if self._shutdown is not None:  # every rank is being stopped anyway
+                await self._changed.wait()
+                continue
+            check = hangs.find(self._watched(), self._clock())
+            if not check.hung:
+                with anyio.move_on_after(check.next_check):  # or sooner: ranks (re)started
+                    await self._changed.wait()
+                continue
+            # To the end, even if the supervising call is cancelled meanwhile (a
+            # join() timeout): the stack is taken once, and the hang recorded.
+            overdue = check.hung[0]
+            report = functools.partial(self._report_hang, self._ranks[overdue.rank], overdue)
+            await run_to_completion(report)
+
+    def _watched(self) -> list[Watched]:
+        """The running ranks, for the hang watch."""
+        restarting = self._tracker.pending_slots()
+        watched = []
+        for rank in self._ranks:
+            started = self._last_starts[rank.rank]
+            if not rank.started or rank.exit is not None or started is None:
+                continue
+            stopping = rank in self._hung or rank in self._probing or rank.rank in restarting
+            watched.append(
+                Watched(
+                    rank=rank.rank,
+                    started=started.time,
+                    last_beat=rank.last_beat(),
+                    stopping=stopping,
+                )
+            )
+        return watched
+
+    async def _report_hang(self, rank: RankHandle, overdue: Overdue) -> None:
+        pid = rank.pid
+        assert pid is not None
+        self._probing.add(rank)
+        try:
+            stack = await rank.stack(STACK_TIMEOUT)
+        finally:
+            self._probing.discard(rank)
+        if rank.exit is not None or self._shutdown is not None:
+            return  # it exited meanwhile, and that exit was reported as any other
+        self._hung.add(rank)
+        seconds = overdue.seconds
+        self.events.append(Hung(rank=rank.rank, pid=pid, seconds=seconds, stack=stack))
+        hang = Hang(
+            rank=rank.rank,
+            pid=pid,
+            seconds=seconds,
+            began=overdue.began,
+            timeout=overdue.limit,
+            stack=stack,
+        )
+        self._failed(hang)
+        self._changed.notify()
+
+    # --------------------------------------------------------------- shutdown
+
+    def _signalled(self, rank: RankHandle, signum: int) -> None:
+        self.events.append(
+            Terminating(rank=rank.rank, pid=rank.pid, signal_name=signal.Signals(signum).name)
+        )
+
+    async def _shut_down(self, grace_period: float | None, *, after_failure: bool) -> None:
+        """Run the group's one shutdown, or wait for the one under way; both shielded.
+
+        A ``grace_period`` given while a shutdown is under way hurries it.
+        """
+        if self._shutdown is not None:
+            if grace_period is not None:
+                self._shutdown.hurry(grace_period)
+            await run_to_completion(self._shutdown_done.wait)
+            return
+        grace = self._supervision.grace_period if grace_period is None else grace_period
+        self._shutdown = shutdown = Shutdown(
+            grace, wait_first=after_failure, on_signal=self._signalled
+        )
+        self._drop_pending()
+        self._changed.notify()  # the supervisor stops: the shutdown takes over
+        done = self._shutdown_done
+
+        async def escalate() -> None:
+            try:
+                await self._started.wait()
+                while self._starting is not None:  # a restart is starting ranks
+                    await self._starting.wait()
+                started = [rank for rank in self._ranks if rank.started]
+                hung = [rank for rank in started if rank in self._hung]
+                self._stuck += await shutdown.run(started, at_once=hung)
+                await self._launcher.aclose()
+            finally:
+                # Nothing more can come, even from a rank stuck in the kernel.
+                self.events.close()
+                if self.capture is not None:
+                    self.capture.close()
+                done.set()
+
+        await run_to_completion(escalate)
+
+    def _error(self) -> ProcessException | None:
+        """The exception ``join()`` raises once the group has been shut down, if any."""
+        # A rank stuck in the kernel may have been released since.
+        self._stuck = [rank for rank in self._stuck if rank.poll() is None]
+        tracker = self._tracker
+        return group_error(
+            self._root,
+            [rank.exit for rank in self._ranks],
+            stuck=[(rank.rank, rank.pid) for rank in self._stuck],
+            restarts=tracker.history,
+            restart_error=self._restart_error,
+            give_up_note=tracker.give_up_note() if tracker.gave_up else None,
+        )
