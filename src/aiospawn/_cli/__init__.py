@@ -11,9 +11,10 @@ status) is the docs' command-line page (``docs/cli.md``) and ``aiospawn run
       └── ...                          ─ --no-python: program as a child process, in the
                                          rank's process group; its exit status becomes the rank's
 
-One command, four steps, one module each: ``_parse`` (the flags) ->
-``_plan`` (a checked command line) -> ``_run`` (supervision and signals) ->
-``_report`` (the summary and the exit status). What each rank runs lives in
+One command, four steps, one module each: ``_parse`` (the flags, torchrun's
+spellings) -> ``_plan`` (a checked command line) -> ``_run`` (supervision and
+signals, with ``_status``, the live status line) -> ``_report`` (the summary
+and the exit status) and ``_errorfile`` (torchrun's error file). What each rank runs lives in
 ``aiospawn._rank.programs``, which a rank imports instead of this package.
 
 Import rule: this package may import ``aiospawn`` (its public API), anyio, the
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from ._parse import PROG, UsageError, parser
+from ._parse import PROG, UsageError, parse
 from ._plan import Plan
 from ._report import say
 from ._run import supervise
@@ -46,10 +47,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Args:
         argv: The arguments after the program name; ``None`` for ``sys.argv[1:]``.
+
+    Raises:
+        SystemExit: For ``--help`` and ``--version`` (status 0), and with no
+            command at all, after the usage (status 2).
     """
     try:
         try:
-            options = parser().parse_args(argv)
+            options = parse(argv)
             plan = Plan(options)
         except UsageError as exc:
             say(f"error: {exc} (see '{PROG} run --help')")

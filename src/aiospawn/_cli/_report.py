@@ -6,6 +6,8 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+import anyio
+
 import aiospawn
 
 from ._parse import PROG
@@ -31,6 +33,7 @@ class Run:
         self.start_error: BaseException | None = None
         self.usage_error: BaseException | None = None
         self.finished = False
+        self.done = anyio.Event()
 
 
 def say(line: str) -> None:
