@@ -38,7 +38,7 @@ def write_root_cause(failure: BaseException | None, error_files: str | None) -> 
 
     Args:
         failure: The run's failure; nothing is written without one.
-        error_files: The directory of the ranks' own error files, if they had any.
+        error_files: The stem of the ranks' own error files, if they had any.
 
     Returns:
         The path written, or None.

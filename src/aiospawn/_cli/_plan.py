@@ -109,8 +109,8 @@ class Plan:
         """Each rank's variables beyond torchrun's: ours, then ``--env``, which wins.
 
         Args:
-            error_files: The directory of the ranks' ``TORCHELASTIC_ERROR_FILE``
-                files, or None to set none.
+            error_files: The stem of the ranks' ``TORCHELASTIC_ERROR_FILE``
+                paths (see :func:`error_file`), or None to set none.
         """
 
         def env(rank: int) -> dict[str, str]:
@@ -235,9 +235,9 @@ def aiospawn_prefix() -> str:
     return DEFAULT_PREFIX
 
 
-def error_file(directory: str, rank: int) -> str:
-    """Where rank ``rank`` may write its torchrun error file."""
-    return os.path.join(directory, f"rank{rank}.error.json")
+def error_file(stem: str, rank: int) -> str:
+    """Where rank ``rank`` may write its torchrun error file: ``{stem}-rank{rank}.error.json``."""
+    return f"{stem}-rank{rank}.error.json"
 
 
 def _signal_numbers(names: tuple[str, ...]) -> set[int]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
+import secrets
 import signal
 import tempfile
 from typing import TYPE_CHECKING, Any, cast
@@ -17,6 +17,7 @@ from aiospawn._core._shutdown import DEFAULT_GRACE_PERIOD
 
 from ._errorfile import write_root_cause
 from ._parse import SHUTDOWN_SIGNALS, STATUS_RANKS
+from ._plan import error_file
 from ._report import Run, report, say
 from ._status import StatusLine, wanted
 
@@ -33,7 +34,14 @@ async def supervise(plan: Plan) -> int:
     """Start the ranks, supervise them to the end, and report; return the exit status."""
     run = Run(plan)
     # Error files are local files: on Ray the ranks' nodes may be other machines.
-    error_files = None if plan.ray is not None else tempfile.mkdtemp(prefix="aiospawn-run-")
+    # Only named, not made: a file exists only once a rank records an error
+    # (torch's @record), so a launcher killed outright leaves nothing behind
+    # in the common case. The random part keeps others from guessing the name.
+    error_files = (
+        None
+        if plan.ray is not None
+        else os.path.join(tempfile.gettempdir(), f"aiospawn-{secrets.token_hex(8)}")
+    )
     status = StatusLine(plan.nprocs) if wanted(plan.status, plan.nprocs, STATUS_RANKS) else None
     try:
         with anyio.open_signal_receiver(*plan.signals) as received:
@@ -73,7 +81,9 @@ async def supervise(plan: Plan) -> int:
         if status is not None:
             status.close()
         if error_files is not None:
-            shutil.rmtree(error_files, ignore_errors=True)
+            for rank in range(plan.nprocs):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(error_file(error_files, rank))
 
 
 def _options(plan: Plan, error_files: str | None) -> GroupOptions:

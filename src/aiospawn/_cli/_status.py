@@ -45,6 +45,7 @@ class StatusLine:
         self._nprocs = nprocs
         self._rows = 0
         self._last_failure: str | None = None
+        self._restarts = 0
         self._text = f"aiospawn: starting {nprocs} rank{'s' if nprocs != 1 else ''}"
         self._open = False
 
@@ -64,13 +65,18 @@ class StatusLine:
 
     def update(self, group: AsyncProcessContext[object], event: Event | None = None) -> None:
         """Redraw from the group's statistics, after ``event`` if there was one."""
-        from aiospawn._core._events import Exited
+        from aiospawn._core._events import Exited, Started
 
         if isinstance(event, Exited) and not event.stopped_by_us and event.outcome != "returned":
             self._last_failure = _failure(event)
+        if isinstance(event, Started):
+            # The group counts a restart once its ranks have started: the last
+            # Started event comes before that.
+            self._restarts = max(self._restarts, event.restart)
         statistics = group.statistics()
+        restarts = max(statistics.restarts, self._restarts)
         parts = [f"aiospawn: {statistics.alive}/{self._nprocs} running"]
-        parts.append(f"{statistics.restarts} restart{'s' if statistics.restarts != 1 else ''}")
+        parts.append(f"{restarts} restart{'s' if restarts != 1 else ''}")
         if self._last_failure is not None:
             parts.append(f"last failure: {self._last_failure}")
         self._text = ", ".join(parts)
