@@ -43,7 +43,7 @@ def main(total_epochs: int, save_every: int, batch_size: int) -> None:
             optimizer.step()
         if os.environ["RANK"] == "0" and epoch % save_every == 0:
             torch.save(model.module.state_dict(), os.path.join(snapshots, "snapshot.pt"))
-    checksum = sum(float(parameter.sum()) for parameter in model.parameters())
+    checksum = sum(float(parameter.detach().sum()) for parameter in model.parameters())
     names = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RUN_ID"]
     shown = {name: os.environ.get(name) for name in names}
     print(json.dumps({**shown, "checksum": round(checksum, 6), "host": socket.gethostname()}))

@@ -6,6 +6,7 @@ import contextlib
 import os
 import secrets
 import signal
+import sys
 import tempfile
 from typing import TYPE_CHECKING, Any, cast
 
@@ -118,6 +119,9 @@ def _backend(plan: Plan) -> Backend | None:
     # Ray folds identical lines of different workers into one ("[repeated 2x
     # across cluster]"): each rank's lines must all be shown.
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    if not sys.stdout.isatty():
+        # Ray colours its "(rank0 pid=...)" prefix even for a pipe or a file.
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     from aiospawn.ray import RayBackend
 
     # RayLauncher.start takes only the ranks it made, a narrower parameter than

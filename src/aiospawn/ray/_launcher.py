@@ -312,7 +312,7 @@ class RayLauncher:
                 name=f"{self._name}-rank{rank.rank}.{rank.restart}",
                 scheduling_strategy=strategy,
                 runtime_env=None if runtime_env is None else dict(runtime_env),
-            ).remote()
+            ).remote(rank.rank)
             self._actors.append(rank.actor)
 
     def _environment(self, index: int, restart: int) -> dict[str, str]:
