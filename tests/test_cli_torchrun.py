@@ -8,6 +8,7 @@ tested without a GPU: the value of ``CUDA_VISIBLE_DEVICES`` is the contract.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import tempfile
@@ -331,10 +332,11 @@ def test_restart_strategy_one_for_one_restarts_the_failed_rank_alone() -> None:
         "--restart-strategy",
         "one_for_one",
         "--restart-backoff",
-        "0",
+        "0.25",
         program("fail_first_run.py"),
     )
     assert result.returncode == 0, result.stderr
+    assert "failed (exit code 3); restarting it in 0.25 s" in result.stderr
     runs = [json.loads(line.split(": ", 1)[1]) for line in result.stdout.splitlines()]
     assert sorted((run["rank"], run["restart"]) for run in runs) == [
         ("0", "0"),
@@ -343,17 +345,23 @@ def test_restart_strategy_one_for_one_restarts_the_failed_rank_alone() -> None:
     ]
 
 
-def test_heartbeat_flags_reach_the_library() -> None:
-    # A rank that never calls aiospawn.heartbeat() is hung once --startup-timeout passes.
+def test_startup_timeout_finds_a_rank_that_never_beats() -> None:
     result = run(
         "run", "-n", "2", "--startup-timeout", "1", "--grace-period", "1", program("sleeper.py")
     )
-    assert result.returncode != 0
-    assert (
-        "rank 0 failed (root cause)" in result.stderr
-        or "rank 1 failed (root cause)" in result.stderr
+    assert result.returncode == 1, result.stderr
+    assert re.search(
+        r"root cause\): process \d \(pid \d+\) is hung: it sent no first", result.stderr
     )
-    assert "heartbeat" in result.stderr
+
+
+def test_heartbeat_timeout_finds_a_rank_that_stopped_beating() -> None:
+    result = run(
+        "run", "-n", "2", "--heartbeat-timeout", "1", "--grace-period", "1", program("beat_once.py")
+    )
+    assert result.returncode == 1, result.stderr
+    assert re.search(r"root cause\): process \d \(pid \d+\) is hung: .*heartbeat", result.stderr)
+    assert "beat_once.py" in result.stderr  # the hung rank's stack
 
 
 # ------------------------------------------------------------------------ error file

@@ -19,6 +19,7 @@ import math
 import os
 import re
 import signal
+import sys
 from collections.abc import Sequence
 from typing import ClassVar, NoReturn
 
@@ -57,8 +58,6 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ``aiospawn`` alone prints the usage and exits 2 (``SystemExit``), and
     ``--version`` and ``--help`` print and exit 0, as argparse does.
     """
-    import sys
-
     args = list(sys.argv[1:] if argv is None else argv)
     top = parser()
     if not args:
@@ -77,6 +76,8 @@ def _tee_values(args: list[str], top: argparse.ArgumentParser) -> list[str]:
     """
     if not args or args[0] != "run":
         return args
+    # argparse's own tables (stable since Python 3.2) say which options take a
+    # value, so that an option's value is never mistaken for TARGET.
     run = _run_parser(top)
     takes_value = {
         option

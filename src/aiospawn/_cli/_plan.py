@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import aiospawn
 from aiospawn._core._env import visible_devices
+from aiospawn._core._spec import DEFAULT_PREFIX, assign_devices
 from aiospawn._rank.programs import (
     rank_function,
     rank_module,
@@ -165,7 +166,7 @@ class Plan:
         if self.role != "default":
             self.prefix = f"[{self.role}{{rank}}]: "
         else:
-            self.prefix = aiospawn_prefix()
+            self.prefix = DEFAULT_PREFIX
         log_dir: str | None = options.log_dir
         if torchrun:
             if options.stdout is not None or options.stderr is not None:
@@ -226,13 +227,6 @@ class Plan:
             )
 
         self.streams, self.teed = aiospawn_streams, aiospawn_teed
-
-
-def aiospawn_prefix() -> str:
-    """The library's default line prefix."""
-    from aiospawn._core._spec import DEFAULT_PREFIX
-
-    return DEFAULT_PREFIX
 
 
 def error_file(stem: str, rank: int) -> str:
@@ -370,8 +364,6 @@ def _devices(options: argparse.Namespace) -> tuple[int | None, list[str] | None]
         )
     if options.ray is None and (per_rank is not None or devices is not None):
         # Checked here too, so that a count that does not fit is a usage error.
-        from aiospawn._core._spec import assign_devices
-
         try:
             assign_devices(options.nprocs, per_rank, devices)
         except ValueError as exc:

@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING
 
 import anyio
 
+from aiospawn._core._events import Event, Exited, Started
+
 if TYPE_CHECKING:
     from aiospawn._core._context import AsyncProcessContext
-    from aiospawn._core._events import Event, Exited
 
 __all__ = ["StatusLine", "wanted"]
 
@@ -65,8 +66,6 @@ class StatusLine:
 
     def update(self, group: AsyncProcessContext[object], event: Event | None = None) -> None:
         """Redraw from the group's statistics, after ``event`` if there was one."""
-        from aiospawn._core._events import Exited, Started
-
         if isinstance(event, Exited) and not event.stopped_by_us and event.outcome != "returned":
             self._last_failure = _failure(event)
         if isinstance(event, Started):
