@@ -326,3 +326,89 @@ async def test_pump_ends_quietly_when_the_rank_exit_drains_the_pipe_first(
     with anyio.fail_after(TRIPWIRE):
         await stream.pump()
     assert lines == [b"last words"]
+
+
+async def test_per_rank_modes_and_tee_choose_each_ranks_streams(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # Rank 0: stdout to a file and teed, stderr discarded; rank 1: both prefixed.
+    await aiospawn.start_processes(
+        ranks.out_hello,
+        (1,),
+        nprocs=2,
+        stdout=lambda rank: tmp_path if rank == 0 else "prefix",
+        stderr=lambda rank: "devnull" if rank == 0 else "prefix",
+        tee=lambda rank: {"stdout"} if rank == 0 else False,
+    )
+    out, err = capfd.readouterr()
+    assert sorted(out.splitlines()) == ["[rank0]: out 0 0", "[rank1]: out 1 0"]
+    assert err.splitlines() == ["[rank1]: err 1 0"]
+    assert os.listdir(tmp_path) == ["rank0.stdout"]
+    assert (tmp_path / "rank0.stdout").read_text() == "out 0 0\n"
+
+
+@pytest.mark.usefixtures("no_process_start")
+async def test_a_bad_per_rank_mode_is_refused_before_anything_starts() -> None:
+    with pytest.raises(ValueError, match=r"stdout for rank 1 must be one of"):
+        await aiospawn.start_processes(
+            ranks.out_hello, (1,), nprocs=2, stdout=lambda rank: "prefix" if rank == 0 else 3
+        )
+    with pytest.raises(ValueError, match=r"tee for rank 0 names stderr, which is not a directory"):
+        await aiospawn.start_processes(
+            ranks.out_hello, (1,), nprocs=2, stderr="prefix", tee=lambda rank: {"stderr"}
+        )
+
+
+async def test_devices_per_rank_gives_each_rank_its_own_devices() -> None:
+    results = await aiospawn.start_processes(
+        ranks.out_environ,
+        ("CUDA_VISIBLE_DEVICES",),
+        nprocs=2,
+        devices_per_rank=2,
+        devices=[0, 1, 2, "GPU-3"],
+    )
+    assert results == [{"CUDA_VISIBLE_DEVICES": "0,1"}, {"CUDA_VISIBLE_DEVICES": "2,GPU-3"}]
+
+
+async def test_devices_per_rank_shares_out_the_visible_devices(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,7")
+    results = await aiospawn.start_processes(
+        ranks.out_environ, ("CUDA_VISIBLE_DEVICES",), nprocs=3, devices_per_rank=1
+    )
+    assert results == [{"CUDA_VISIBLE_DEVICES": device} for device in ("3", "5", "7")]
+
+
+@pytest.mark.usefixtures("no_process_start")
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"devices_per_rank": 2}, r"2 ranks of 2 devices each need 4, but 3 are visible"),
+        ({"devices": ["0", "1", "2"]}, r"3 devices do not split evenly over 2 ranks"),
+        ({"devices": [0, 0]}, r"names a device twice"),
+        ({"devices_per_rank": -1}, r"devices_per_rank must be a non-negative int"),
+        ({"devices": "0,1"}, r"devices must be a sequence"),
+    ],
+)
+async def test_devices_that_do_not_fit_are_refused_before_anything_starts(
+    options: dict[str, object], message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
+    with pytest.raises(ValueError, match=message):
+        await aiospawn.start_processes(ranks.out_hello, (1,), nprocs=2, **options)  # type: ignore[arg-type]
+
+
+def test_visible_devices_come_from_the_variable_or_the_driver(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from aiospawn._core import _env
+
+    assert _env.visible_devices({"CUDA_VISIBLE_DEVICES": "1, 2"}) == ["1", "2"]
+    assert _env.visible_devices({"CUDA_VISIBLE_DEVICES": ""}) == []
+    for index in range(2):
+        (tmp_path / f"0000:0{index}:00.0").mkdir()
+    monkeypatch.setattr(_env, "NVIDIA_GPUS", str(tmp_path))
+    assert _env.visible_devices({}) == ["0", "1"]
+    monkeypatch.setattr(_env, "NVIDIA_GPUS", str(tmp_path / "missing"))
+    assert _env.visible_devices({}) == []

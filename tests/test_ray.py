@@ -493,3 +493,31 @@ def test_layout_numbers_ranks_node_by_node() -> None:
     assert [slot.local_world_size for slot in slots] == [2, 2, 2, 2, 1]
     assert [slot.node_rank for slot in slots] == [0, 0, 1, 1, 2]
     assert {slot.nodes for slot in slots} == {3}
+
+
+def test_devices_per_rank_is_each_ranks_gpus() -> None:
+    from aiospawn._core._spec import make_output_spec, make_spec
+    from aiospawn.ray._launcher import rank_resources
+
+    def spec(**devices: int | None) -> Any:
+        output = make_output_spec("inherit", "inherit", False, "[rank{rank}]: ")
+        return make_spec(
+            ray_ranks.square, (), 2, "spawn", False, output=output, local_devices=False, **devices
+        )
+
+    assert rank_resources(spec(devices_per_rank=2), {"CPU": 1}) == {"CPU": 1, "GPU": 2}
+    assert rank_resources(spec(devices_per_rank=0), {"CPU": 1, "GPU": 0}) == {"CPU": 1}
+    assert rank_resources(spec(), {"CPU": 1, "GPU": 1}) == {"CPU": 1, "GPU": 1}
+    with pytest.raises(ValueError, match="different numbers of GPUs"):
+        rank_resources(spec(devices_per_rank=1), {"CPU": 1, "GPU": 2})
+    with pytest.raises(ValueError, match="names devices of this machine"):
+        make_spec(
+            ray_ranks.square,
+            (),
+            2,
+            "spawn",
+            False,
+            output=make_output_spec("inherit", "inherit", False, ""),
+            local_devices=False,
+            devices=[0, 1],
+        )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Literal, TypedDict, TypeVar, TypeVarTuple, Unpack, overload
 
@@ -59,12 +59,24 @@ class GroupOptions(TypedDict, total=False):
             ``"prefix"`` (the supervisor's stdout, each line behind
             ``prefix``), ``"capture"`` (kept for ``ctx.output()``),
             ``"devnull"``, or a directory path (one file per rank,
-            ``rank{N}.stdout``, owner-only, never deleted).
+            ``rank{N}.stdout``, owner-only, never deleted); or a callable
+            ``rank -> mode`` for a mode per rank.
         stderr: The same for stderr (files ``rank{N}.stderr``). With ``prefix``,
             ``capture`` or ``tee``, a failed rank's exception quotes its last
             20 stderr lines.
         tee: With a directory path: also write each line to the supervisor's
-            stream, behind ``prefix``.
+            stream, behind ``prefix``. True tees every stream that goes to a
+            directory; a collection of stream names (``{"stdout"}``) only
+            those; a callable ``rank -> bool | names`` chooses per rank.
+        devices_per_rank: Give each rank this many devices of its own: rank
+            ``r`` gets the ``r``-th run of them from ``devices``, in its
+            ``CUDA_VISIBLE_DEVICES`` (0: none). On a Ray backend it is each
+            rank's ``num_gpus``, and Ray sets the variable. ``None`` (the
+            default): the ranks see the devices this process sees.
+        devices: The devices to share out (ids such as ``0`` or ``"GPU-..."``);
+            by default those this process sees (``CUDA_VISIBLE_DEVICES``, else
+            every GPU the NVIDIA driver lists). Without ``devices_per_rank``
+            they are split evenly over the ranks. Local processes only.
         prefix: The template of the line prefix, with ``{rank}``, ``{pid}`` and
             ``{restart}``; default ``"[rank{rank}]: "``.
     """
@@ -76,10 +88,12 @@ class GroupOptions(TypedDict, total=False):
     heartbeat_timeout: float | None
     startup_timeout: float | None
     backend: Backend | None
-    stdout: str | os.PathLike[str]
-    stderr: str | os.PathLike[str]
-    tee: bool
+    stdout: str | os.PathLike[str] | Callable[[int], str | os.PathLike[str]]
+    stderr: str | os.PathLike[str] | Callable[[int], str | os.PathLike[str]]
+    tee: bool | Collection[str] | Callable[[int], bool | Collection[str]]
     prefix: str
+    devices_per_rank: int | None
+    devices: Sequence[int | str] | None
 
 
 @overload
@@ -152,7 +166,8 @@ async def start_processes(
         **options: Keyword-only group options (:class:`GroupOptions`):
             ``grace_period``, ``env``, ``torchrun_env``, ``restart``,
             ``heartbeat_timeout``, ``startup_timeout``, ``backend``,
-            ``stdout``, ``stderr``, ``tee``, ``prefix``.
+            ``stdout``, ``stderr``, ``tee``, ``prefix``, ``devices_per_rank``,
+            ``devices``.
 
     Returns:
         With ``join=True``, the list of return values, index = rank; with
@@ -165,7 +180,9 @@ async def start_processes(
         ProcessHungException: A rank stopped sending heartbeats (``join=True``).
         TypeError: ``fn`` is not callable or cannot be pickled for the start
             method; ``args`` is not a sequence. Raised before any process starts.
-        ValueError: ``nprocs``, ``start_method`` or ``grace_period`` is invalid.
+        ValueError: ``nprocs``, ``start_method``, ``grace_period`` or an
+            output option is invalid, or the devices asked for do not fit
+            (``devices_per_rank`` times ``nprocs`` is more than ``devices``).
             Raised before any process starts.
         Exception: A rank could not be started (for example ``args`` that
             cannot be pickled); the ranks already started have been stopped
@@ -348,5 +365,9 @@ async def _start_group(
         heartbeats=supervision.watches_heartbeats,
         # Other backends ship fn their own way (Ray: cloudpickle, by value).
         check_importable=isinstance(backend, LocalBackend),
+        devices_per_rank=options.get("devices_per_rank"),
+        devices=options.get("devices"),
+        # Elsewhere devices are the node's, which the backend hands out (Ray: num_gpus).
+        local_devices=isinstance(backend, LocalBackend),
     )
     return await AsyncProcessContext._start(spec, supervision, backend)

@@ -12,6 +12,7 @@ rank 0 hosts the store itself.
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
@@ -61,15 +62,38 @@ def torchrun_environment(
     }
 
 
+#: Where the NVIDIA driver lists the GPUs of this machine, one entry each.
+NVIDIA_GPUS = "/proc/driver/nvidia/gpus"
+
+
+def visible_devices(environ: Mapping[str, str] = os.environ) -> list[str]:
+    """The CUDA devices this process may use, as ``CUDA_VISIBLE_DEVICES`` names them.
+
+    That variable when it is set (``""``: none); otherwise ``0..n-1`` for the
+    ``n`` GPUs the NVIDIA driver lists, which reading needs no CUDA library.
+    """
+    value = environ.get("CUDA_VISIBLE_DEVICES")
+    if value is not None:
+        return [device.strip() for device in value.split(",") if device.strip()]
+    try:
+        count = len(os.listdir(NVIDIA_GPUS))
+    except OSError:  # no driver: no GPU
+        count = 0
+    return [str(index) for index in range(count)]
+
+
 def rank_environment(
     spec: LaunchSpec, index: int, restart: int, torchrun: Mapping[str, str] | None
 ) -> dict[str, str]:
     """The environment of attempt ``restart`` of rank ``index``, on any backend.
 
     The restart count, then torchrun's variables if the group asked for them,
-    then the user's ``env``, which wins.
+    then ``CUDA_VISIBLE_DEVICES`` if the group assigns devices, then the
+    user's ``env``, which wins.
     """
     env = {RESTART_COUNT_VAR: str(restart), **(torchrun or {})}
+    if spec.devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(spec.devices[index])
     user = spec.env(index) if callable(spec.env) else spec.env
     if user:
         env.update({str(key): str(value) for key, value in user.items()})

@@ -16,7 +16,7 @@ import os
 import pickle
 import resource
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,41 +38,112 @@ MODES = ("inherit", "prefix", "capture", "devnull")
 DEFAULT_PREFIX = "[rank{rank}]: "
 
 
+#: A stream's mode: one of :data:`MODES`, or a directory path.
+Mode = str | Path
+
+#: What a rank's streams become: ``(modes, teed)``, ``modes`` mapping each
+#: stream to its mode, ``teed`` the streams also copied to the supervisor's.
+RankStreams = tuple[dict[str, Mode], frozenset[str]]
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class OutputSpec:
-    """Where a group's streams go: ``modes`` maps stream name to mode or directory."""
+    """Where a group's streams go, for every rank.
 
-    modes: dict[str, str | Path]
+    Attributes:
+        modes: Stream name to mode or directory, when it is the same for every
+            rank (for a per-rank option: rank 0's).
+        tee: True if some stream of some rank is teed.
+        prefix: The line prefix template.
+        ranks: One :data:`RankStreams` per rank, once :meth:`for_group` has
+            resolved per-rank options; empty before.
+    """
+
+    modes: dict[str, Mode]
     tee: bool
     prefix: str
+    ranks: tuple[RankStreams, ...] = ()
+    choose: Callable[[int], RankStreams] | None = None
 
     @property
     def captures(self) -> bool:
-        """True if some stream is captured for ``ctx.output()``."""
+        """True if some stream of some rank is captured for ``ctx.output()``."""
+        if self.ranks:
+            return any("capture" in modes.values() for modes, _ in self.ranks)
         return "capture" in self.modes.values()
+
+    def for_rank(self, rank: int) -> RankStreams:
+        """The modes and teed streams of ``rank``."""
+        if self.ranks:
+            return self.ranks[rank]
+        teed = {name for name, mode in self.modes.items() if self.tee and isinstance(mode, Path)}
+        return dict(self.modes), frozenset(teed)
+
+    def for_group(self, nprocs: int) -> OutputSpec:
+        """Resolve per-rank options for ranks ``0..nprocs-1``; ValueError if one is bad."""
+        if self.choose is None:
+            return self
+        ranks = tuple(self.choose(rank) for rank in range(nprocs))
+        return OutputSpec(
+            modes=ranks[0][0],
+            tee=any(teed for _, teed in ranks),
+            prefix=self.prefix,
+            ranks=ranks,
+        )
+
+
+def _check_mode(name: str, value: object) -> Mode:
+    if isinstance(value, str) and value in MODES:
+        return value
+    if isinstance(value, str | os.PathLike):
+        return Path(value)
+    raise ValueError(
+        f"{name} must be one of {', '.join(map(repr, MODES))} or a directory path, got {value!r}"
+    )
+
+
+def _rank_streams(stdout: object, stderr: object, tee: object, rank: int | None) -> RankStreams:
+    """Check one rank's output options (``rank`` None: the same for every rank)."""
+    where = "" if rank is None else f" for rank {rank}"
+    modes: dict[str, Mode] = {}
+    for name, value in zip(STREAMS, (stdout, stderr), strict=True):
+        if rank is not None and callable(value):
+            value = value(rank)
+        modes[name] = _check_mode(name + where, value)
+    if rank is not None and callable(tee):
+        tee = tee(rank)
+    if isinstance(tee, str):
+        tee = (tee,)
+    if isinstance(tee, bool) or tee is None:
+        asked = set(STREAMS) if tee else set()
+        strict = bool(tee)
+    elif isinstance(tee, Collection) and set(tee) <= set(STREAMS):
+        asked = set(tee)
+        strict = True
+    else:
+        raise ValueError(f"tee{where} must be a bool or a collection of stream names, got {tee!r}")
+    teed = {name for name in asked if isinstance(modes[name], Path)}
+    if strict and asked and not teed and rank is None:
+        raise ValueError("tee=True needs stdout or stderr to be a directory path")
+    if rank is not None and asked - teed and not isinstance(tee, bool):
+        raise ValueError(
+            f"tee{where} names {', '.join(sorted(asked - teed))}, which is not a directory path"
+        )
+    return modes, frozenset(teed)
 
 
 def make_output_spec(stdout: object, stderr: object, tee: object, prefix: object) -> OutputSpec:
     """Check the output options of a group.
+
+    ``stdout`` and ``stderr`` may be callables ``rank -> mode`` and ``tee`` a
+    callable ``rank -> bool | streams``; those are checked per rank by
+    :meth:`OutputSpec.for_group`, which :func:`make_spec` calls.
 
     Raises:
         ValueError: A mode is neither a known one nor a path; ``tee`` without a
             directory; a ``prefix`` template with an unknown field.
         TypeError: ``prefix`` is not a string.
     """
-    modes: dict[str, str | Path] = {}
-    for name, value in zip(STREAMS, (stdout, stderr), strict=True):
-        if isinstance(value, str) and value in MODES:
-            modes[name] = value
-        elif isinstance(value, str | os.PathLike):
-            modes[name] = Path(value)
-        else:
-            raise ValueError(
-                f"{name} must be one of {', '.join(map(repr, MODES))} or a directory path,"
-                f" got {value!r}"
-            )
-    if tee and not any(isinstance(mode, Path) for mode in modes.values()):
-        raise ValueError("tee=True needs stdout or stderr to be a directory path")
     if not isinstance(prefix, str):
         raise TypeError(f"prefix must be a str template, got {prefix!r}")
     try:
@@ -81,7 +152,14 @@ def make_output_spec(stdout: object, stderr: object, tee: object, prefix: object
         raise ValueError(
             f"prefix may use {{rank}}, {{pid}} and {{restart}}, got {prefix!r}"
         ) from exc
-    return OutputSpec(modes=modes, tee=bool(tee), prefix=prefix)
+    if any(callable(option) for option in (stdout, stderr, tee)):
+
+        def choose(rank: int) -> RankStreams:
+            return _rank_streams(stdout, stderr, tee, rank)
+
+        return OutputSpec(modes={}, tee=False, prefix=prefix, choose=choose)
+    modes, teed = _rank_streams(stdout, stderr, tee, None)
+    return OutputSpec(modes=modes, tee=bool(teed), prefix=prefix)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -97,6 +175,8 @@ class LaunchSpec:
     output: OutputSpec
     torchrun_env: bool = False
     heartbeats: bool = False
+    devices: tuple[tuple[str, ...], ...] | None = None
+    devices_per_rank: int | None = None
 
 
 def make_spec(
@@ -111,6 +191,9 @@ def make_spec(
     torchrun_env: bool = False,
     heartbeats: bool = False,
     check_importable: bool = True,
+    devices_per_rank: int | None = None,
+    devices: Sequence[int | str] | None = None,
+    local_devices: bool = True,
 ) -> LaunchSpec:
     """Check a group's arguments before anything starts, and resolve the start method.
 
@@ -121,7 +204,8 @@ def make_spec(
             ``args`` is not a sequence; ``env`` is
             neither a mapping nor a callable.
         ValueError: ``nprocs`` is not a positive int within :func:`max_nprocs`,
-            or ``start_method`` is unknown.
+            ``start_method`` is unknown, a rank's output option is bad, or the
+            devices asked for do not fit (see :func:`assign_devices`).
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {fn!r}")
@@ -131,6 +215,17 @@ def make_spec(
         raise TypeError(f"env must be a mapping, a callable rank -> mapping, or None, got {env!r}")
     check_nprocs(nprocs)
     method = resolve_start_method(start_method)
+    output = output.for_group(nprocs)
+    check_devices_per_rank(devices_per_rank)
+    if local_devices:
+        assigned = assign_devices(nprocs, devices_per_rank, devices)
+    elif devices is not None:
+        raise ValueError(
+            f"devices={devices!r} names devices of this machine; on this backend ask for"
+            " devices_per_rank=N instead, and each rank gets N of its node's"
+        )
+    else:
+        assigned = None
     if check_importable and method != "fork":
         _check_importable(fn, method)
     return LaunchSpec(
@@ -143,7 +238,61 @@ def make_spec(
         output=output,
         torchrun_env=bool(torchrun_env),
         heartbeats=heartbeats,
+        devices=assigned,
+        devices_per_rank=devices_per_rank,
     )
+
+
+def check_devices_per_rank(value: object) -> None:
+    """Raise ValueError unless ``value`` is None or a non-negative int."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(f"devices_per_rank must be a non-negative int or None, got {value!r}")
+
+
+def assign_devices(
+    nprocs: int, per_rank: int | None, devices: Sequence[int | str] | None
+) -> tuple[tuple[str, ...], ...] | None:
+    """Give each rank its own devices: rank ``r`` the ``r``-th run of ``per_rank`` of them.
+
+    ``devices`` is the pool, by default the devices visible here (see
+    :func:`~aiospawn._core._env.visible_devices`); without ``per_rank`` the pool
+    is split evenly. ``None`` when neither is given: the ranks see what we see.
+
+    Raises:
+        ValueError: The pool has fewer than ``nprocs * per_rank`` devices, or
+            does not split evenly over the ranks, or names a device twice.
+    """
+    check_devices_per_rank(per_rank)
+    if per_rank is None and devices is None:
+        return None
+    if devices is None:
+        from ._env import visible_devices
+
+        pool, where = visible_devices(), "visible (CUDA_VISIBLE_DEVICES, or the NVIDIA driver)"
+    else:
+        if isinstance(devices, str | bytes) or not isinstance(devices, Sequence):
+            raise ValueError(f"devices must be a sequence of device ids, got {devices!r}")
+        pool, where = [str(device).strip() for device in devices], "given"
+        if any(not device or "," in device for device in pool):
+            raise ValueError(f"devices must be device ids such as 0 or 'GPU-...', got {devices!r}")
+        if len(set(pool)) != len(pool):
+            raise ValueError(f"devices names a device twice: {devices!r}")
+    if per_rank is None:
+        per_rank, left = divmod(len(pool), nprocs)
+        if per_rank == 0 or left:
+            raise ValueError(
+                f"{len(pool)} devices do not split evenly over {nprocs} ranks ({pool!r});"
+                " say how many each rank gets with devices_per_rank"
+            )
+    needed = nprocs * per_rank
+    if needed > len(pool):
+        raise ValueError(
+            f"{nprocs} ranks of {per_rank} device{'s' if per_rank != 1 else ''} each need"
+            f" {needed}, but {len(pool)} {'is' if len(pool) == 1 else 'are'} {where}"
+            f" ({','.join(pool) or 'none'}); start fewer ranks, give each fewer devices,"
+            " or name the devices to use"
+        )
+    return tuple(tuple(pool[rank * per_rank : (rank + 1) * per_rank]) for rank in range(nprocs))
 
 
 def resolve_start_method(start_method: str | None) -> str:

@@ -170,14 +170,15 @@ class RankOutput:
         self.streams: list[StreamReader] = []
         self._child_ends: list[ChildEnd] = []
         self._log_fds: list[int] = []
+        modes, teed = spec.for_rank(rank)
         for name in STREAMS:
-            mode = spec.modes[name]
+            mode = modes[name]
             log = mode / f"rank{rank}.{name}" if isinstance(mode, Path) else None
             if mode == "inherit":
                 self.targets[name] = None
             elif mode == "devnull":
                 self.targets[name] = os.devnull
-            elif log is not None and not spec.tee:
+            elif log is not None and name not in teed:
                 _make_log_dir(log)
                 self.targets[name] = str(log)
             else:

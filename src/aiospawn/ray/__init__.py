@@ -132,22 +132,26 @@ class RayBackend:
 
         Raises:
             ValueError: ``spec`` asks for output other than ``"inherit"``, or for
-                heartbeats, which do not cross machines.
+                heartbeats, which do not cross machines, or its ``devices_per_rank``
+                disagrees with the ``"GPU"`` of ``resources_per_rank``.
             ConnectionError: No Ray cluster at ``address``.
             TimeoutError: The group could not be placed within ``placement_timeout``.
 
         Cancellation:
             Whatever was reserved is released before the cancellation propagates.
         """
-        from ._launcher import RayLauncher
+        from ._launcher import RayLauncher, rank_resources
 
         _check_spec(spec, capture)
+        rank_resources(spec, self.resources_per_rank)
         return await RayLauncher.open(spec, self)
 
 
 def _check_spec(spec: LaunchSpec, capture: CaptureBuffer | None) -> None:
     output = spec.output
-    for stream, mode in output.modes.items():
+    for stream, mode in (
+        item for rank in range(spec.nprocs) for item in output.for_rank(rank)[0].items()
+    ):
         if mode != "inherit":
             raise ValueError(
                 f"RayBackend runs ranks with {stream}='inherit' only, got {mode!r}: Ray forwards"

@@ -36,10 +36,20 @@ from aiospawn._rank.wire import call as call_rank
 
 
 class RankActor:
-    """The Ray actor that runs one attempt at one rank (decorated with ``ray.remote`` later)."""
+    """The Ray actor that runs one attempt at one rank (decorated with ``ray.remote`` later).
 
-    def __init__(self) -> None:
+    Args:
+        rank: The rank it runs, which names it in Ray's output prefix.
+    """
+
+    def __init__(self, rank: int) -> None:
+        self._rank = rank
         self._done = threading.Event()
+
+    def __repr__(self) -> str:
+        # Ray prefixes each line a worker prints with its actor's repr:
+        # "(rank3 pid=1234, ip=10.0.0.2) loss 0.5", as local ranks get "[rank3]: ".
+        return f"rank{self._rank}"
 
     def describe(self) -> tuple[str, str, int]:
         """``(node_id, node_address, pid)`` of the process that will run the rank."""

@@ -112,6 +112,26 @@ def layout(bundle_nodes: Sequence[str], addresses: Mapping[str, str]) -> list[Sl
     return slots
 
 
+def rank_resources(spec: LaunchSpec, resources_per_rank: Mapping[str, float]) -> dict[str, float]:
+    """What each rank reserves: ``resources_per_rank``, with ``devices_per_rank`` as its GPUs.
+
+    Raises:
+        ValueError: Both name a number of GPUs, and the numbers differ.
+    """
+    resources = dict(resources_per_rank)
+    per_rank = spec.devices_per_rank
+    if per_rank is not None:
+        if resources.get("GPU", per_rank) != per_rank:
+            raise ValueError(
+                f"devices_per_rank={per_rank} and resources_per_rank={resources!r} ask for"
+                " different numbers of GPUs per rank; give one of them"
+            )
+        resources["GPU"] = per_rank
+        if not per_rank:
+            del resources["GPU"]  # a bundle may not hold a zero amount
+    return resources
+
+
 class RayLauncher:
     """Makes and starts the actors of one group (see ``_backend.GroupLauncher``)."""
 
@@ -163,7 +183,7 @@ class RayLauncher:
 
         def create() -> None:
             self._pg = ray.util.placement_group(
-                [dict(options.resources_per_rank) for _ in range(nprocs)],
+                [rank_resources(self._spec, options.resources_per_rank) for _ in range(nprocs)],
                 strategy=options.placement,
                 name=self._name,
             )
@@ -266,7 +286,7 @@ class RayLauncher:
     def _create_actors(self, ranks: Sequence[RayRank]) -> None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        resources = dict(self._options.resources_per_rank)
+        resources = rank_resources(self._spec, self._options.resources_per_rank)
         standard = {
             "num_cpus": resources.pop("CPU", 0),
             "num_gpus": resources.pop("GPU", 0),
@@ -288,7 +308,7 @@ class RayLauncher:
                 name=f"{self._name}-rank{rank.rank}.{rank.restart}",
                 scheduling_strategy=strategy,
                 runtime_env=None if runtime_env is None else dict(runtime_env),
-            ).remote()
+            ).remote(rank.rank)
             self._actors.append(rank.actor)
 
     def _environment(self, index: int, restart: int) -> dict[str, str]:

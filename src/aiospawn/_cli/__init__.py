@@ -1,0 +1,86 @@
+"""The ``aiospawn`` command: run a script, a module, a function or any program as N ranks.
+
+The command's reference (options, launch modes, environment, signals, exit
+status) is the docs' command-line page (``docs/cli.md``) and ``aiospawn run
+--help``; this package is their implementation. How each rank runs its target::
+
+    aiospawn (launcher) ── anyio.run (asyncio) ── aiospawn.start_processes(rank_*, ...)
+      │  signals: SIGINT SIGTERM SIGHUP SIGQUIT → graceful shutdown, exit 128+signal
+      ├── rank 0 (own process group) ─ runpy: script/module as __main__, sys.argv set
+      ├── rank 1 (own process group) ─ --fn: import module, call function(rank, *args)
+      └── ...                          ─ --no-python: program as a child process, in the
+                                         rank's process group; its exit status becomes the rank's
+
+One command, four steps, one module each: ``_parse`` (the flags, torchrun's
+spellings) -> ``_plan`` (a checked command line) -> ``_run`` (supervision and
+signals, with ``_status``, the live status line) -> ``_report`` (the summary
+and the exit status) and ``_errorfile`` (torchrun's error file). What each rank runs lives in
+``aiospawn._rank.programs``, which a rank imports instead of this package.
+
+Import rule: this package may import ``aiospawn`` (its public API), anyio, the
+standard library, ``aiospawn._core`` and ``aiospawn._rank``; nothing imports it
+but ``aiospawn.__main__`` and the ``aiospawn`` script.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from typing import TYPE_CHECKING
+
+import anyio
+
+from ._parse import PROG, UsageError, parse
+from ._plan import Plan
+from ._report import say
+from ._run import supervise
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+__all__ = ["main"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``aiospawn`` command line; return the exit status.
+
+    Args:
+        argv: The arguments after the program name; ``None`` for ``sys.argv[1:]``.
+
+    Raises:
+        SystemExit: For ``--help`` and ``--version`` (status 0), and with no
+            command at all, after the usage (status 2).
+    """
+    try:
+        try:
+            options = parse(argv)
+            plan = Plan(options)
+        except UsageError as exc:
+            say(f"error: {exc} (see '{PROG} run --help')")
+            return 2
+        if plan.omp_note and plan.nprocs > 1:
+            say(
+                f"OMP_NUM_THREADS is unset: setting it to 1 in each of the {plan.nprocs}"
+                " ranks so they do not oversubscribe the CPUs; set it to choose another value"
+            )
+        _log_to_stderr()
+        # Like other command-line tools, die of SIGPIPE when the reader of our
+        # output is gone (a pipe to head); the ranks die with us.
+
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+
+        return anyio.run(supervise, plan, backend="asyncio")
+    except KeyboardInterrupt:  # Ctrl-C before the signal handlers were in place
+        return 130
+
+
+def _log_to_stderr() -> None:
+
+    logger = logging.getLogger("aiospawn")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(f"{PROG}: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.WARNING)
+        logger.propagate = False

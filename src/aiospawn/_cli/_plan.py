@@ -1,0 +1,421 @@
+"""A checked ``aiospawn run`` command line: what to start, and how.
+
+Everything that can be refused is refused here, before anything starts:
+torchrun's rendezvous flags (with the reason), options that contradict each
+other, devices that do not fit. The output options, in aiospawn's spelling
+(``--stdout``, ``--log-dir``, ``--tee``) or torchrun's (``-r``, ``-t``,
+``--local-ranks-filter``), become one mode per rank and stream.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import math
+import os
+import shutil
+import signal
+import sys
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import aiospawn
+from aiospawn._core._env import visible_devices
+from aiospawn._core._spec import DEFAULT_PREFIX, assign_devices
+from aiospawn._rank.programs import (
+    rank_function,
+    rank_module,
+    rank_program,
+    rank_script,
+    resolve_function,
+)
+
+from ._parse import SHUTDOWN_SIGNALS, STREAM_MODES, Std, UsageError, _seconds
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+__all__ = ["Plan"]
+
+
+#: Hosts that name this machine, for torchrun's --master-addr and --rdzv-endpoint.
+LOCAL_HOSTS = ("", "localhost", "127.0.0.1", "::1")
+
+
+class Plan:
+    """A checked ``aiospawn run`` command line: what to start and how.
+
+    Raises:
+        UsageError: The command line asks for something aiospawn cannot do,
+            or is inconsistent; the message says why and what to do instead.
+    """
+
+    def __init__(self, options: argparse.Namespace) -> None:
+        _refuse_rendezvous(options)
+        self.restart = _restart_policy(options)
+        if options.target is None:
+            raise UsageError(
+                "missing TARGET: a script, -m module, --fn module:function or --no-python program"
+            )
+        self.nprocs: int = options.nprocs
+        self.start_method: str = options.start_method
+        self.grace_period = _grace_period(options)
+        self.heartbeat_timeout: float | None = options.heartbeat_timeout
+        self.startup_timeout: float | None = options.startup_timeout
+        self.verbose: bool = options.verbose
+        self.role: str = options.role
+        self.run_id: str = options.run_id or uuid.uuid4().hex
+        self.ray: str | None = options.ray
+        if options.placement is not None and self.ray is None:
+            raise UsageError("--placement is for --ray ADDRESS")
+        self.placement: str = options.placement or "PACK"
+        self.signals: list[signal.Signals] = options.signals_to_handle or [
+            getattr(signal, name) for name in SHUTDOWN_SIGNALS
+        ]
+        if self.ray is not None and set(self.signals) - _signal_numbers(SHUTDOWN_SIGNALS):
+            raise UsageError(
+                "--signals-to-handle with --ray: only SIGINT, SIGTERM, SIGHUP and SIGQUIT,"
+                " which stop the ranks; other signals cannot be passed on to Ray's workers"
+            )
+        self.fn, self.args, self.name = _target(options, absolute=self.ray is not None)
+        self.status: bool | None = options.status
+        self.devices_per_rank, self.devices = _devices(options)
+        self.virtual_local_rank: bool = options.virtual_local_rank
+        self._output(options)
+        # Beside the torchrun_env variables; --env wins over both.
+        self.user_env = dict(options.env)
+        self.omp_note = (
+            self.nprocs > 1
+            and "OMP_NUM_THREADS" not in os.environ
+            and "OMP_NUM_THREADS" not in self.user_env
+        )
+        base = {
+            "ROLE_NAME": self.role,
+            "TORCHELASTIC_RUN_ID": self.run_id,
+            "TORCHELASTIC_MAX_RESTARTS": str(options.max_restarts),
+            "TORCHELASTIC_SIGNALS_TO_HANDLE": ",".join(
+                signal.Signals(signum).name for signum in self.signals
+            ),
+        }
+        if options.master_port is not None:
+            base["MASTER_PORT"] = options.master_port
+        if self.virtual_local_rank:
+            base["LOCAL_RANK"] = "0"
+        if self.omp_note:
+            base["OMP_NUM_THREADS"] = "1"
+        self.base_env = base
+
+    def environment(self, error_files: str | None) -> Callable[[int], dict[str, str]]:
+        """Each rank's variables beyond torchrun's: ours, then ``--env``, which wins.
+
+        Args:
+            error_files: The stem of the ranks' ``TORCHELASTIC_ERROR_FILE``
+                paths (see :func:`error_file`), or None to set none.
+        """
+
+        def env(rank: int) -> dict[str, str]:
+            variables = dict(self.base_env)
+            if error_files is not None:
+                path = error_file(error_files, rank)
+                # Called as each attempt of the rank is made: an earlier
+                # attempt's file must not pass for this one's.
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
+                variables["TORCHELASTIC_ERROR_FILE"] = path
+            variables.update(self.user_env)
+            return variables
+
+        return env
+
+    def _output(self, options: argparse.Namespace) -> None:
+        """Where each rank's streams go, in aiospawn's spelling or torchrun's."""
+        console = "prefix" if self.nprocs > 1 else "inherit"
+        shown: frozenset[int] | None = options.local_ranks_filter
+        if shown is not None and not shown <= set(range(self.nprocs)):
+            raise UsageError(
+                f"--local-ranks-filter names ranks {sorted(shown - set(range(self.nprocs)))},"
+                f" but the ranks are 0..{self.nprocs - 1}"
+            )
+        torchrun = options.redirects is not None or isinstance(options.tee, Std)
+        if self.ray is not None:
+            given = [
+                flag
+                for flag, value in (
+                    ("--stdout", options.stdout),
+                    ("--stderr", options.stderr),
+                    ("--log-dir", options.log_dir),
+                    ("-r/--redirects", options.redirects),
+                    ("-t/--tee", options.tee),
+                    ("--local-ranks-filter", shown),
+                )
+                if value is not None
+            ]
+            if given:
+                raise UsageError(
+                    f"{given[0]} with --ray: Ray sends each rank's output to the launcher"
+                    " itself, behind the rank's prefix (the files are in Ray's session logs)"
+                )
+            self.streams: Callable[[int], dict[str, str]] = lambda rank: {
+                "stdout": "inherit",
+                "stderr": "inherit",
+            }
+            self.teed: Callable[[int], frozenset[str]] = lambda rank: frozenset()
+            self.prefix = ""
+            return
+        if self.role != "default":
+            self.prefix = f"[{self.role}{{rank}}]: "
+        else:
+            self.prefix = DEFAULT_PREFIX
+        log_dir: str | None = options.log_dir
+        if torchrun:
+            if options.stdout is not None or options.stderr is not None:
+                raise UsageError(
+                    "--stdout/--stderr and -r/--redirects or -t VALUE say the same thing: use one"
+                )
+            redirects: Std = options.redirects or Std(0, {})
+            tee: Std = options.tee if isinstance(options.tee, Std) else Std(0, {})
+            if log_dir is None and any(
+                redirects.streams(rank) - tee.streams(rank) for rank in range(self.nprocs)
+            ):
+                raise UsageError(
+                    "-r/--redirects needs --log-dir DIR for the files (torchrun would pick"
+                    " a temporary directory and keep it)"
+                )
+
+            def torchrun_streams(rank: int) -> dict[str, str]:
+                to_files = redirects.streams(rank) | tee.streams(rank)
+                modes: dict[str, str] = {}
+                for name in ("stdout", "stderr"):
+                    if name in to_files and log_dir is not None:
+                        modes[name] = log_dir
+                    elif shown is None or rank in shown:
+                        modes[name] = console
+                    else:
+                        modes[name] = "devnull"
+                return modes
+
+            def torchrun_teed(rank: int) -> frozenset[str]:
+                if log_dir is None or (shown is not None and rank not in shown):
+                    return frozenset()
+                return tee.streams(rank)
+
+            self.streams, self.teed = torchrun_streams, torchrun_teed
+            return
+        stdout: str = options.stdout or log_dir or console
+        stderr: str = options.stderr or log_dir or console
+        if options.tee is not None and all(mode in STREAM_MODES for mode in (stdout, stderr)):
+            raise UsageError("--tee needs --log-dir DIR, or a directory for --stdout or --stderr")
+
+        def aiospawn_streams(rank: int) -> dict[str, str]:
+            hidden = shown is not None and rank not in shown
+            modes: dict[str, str] = {"stdout": stdout, "stderr": stderr}
+            if hidden:
+                modes = {
+                    name: "devnull" if mode in ("prefix", "inherit") else mode
+                    for name, mode in modes.items()
+                }
+            return modes
+
+        def aiospawn_teed(rank: int) -> frozenset[str]:
+            if options.tee is None or (shown is not None and rank not in shown):
+                return frozenset()
+            return frozenset(
+                name
+                for name, mode in (("stdout", stdout), ("stderr", stderr))
+                if mode not in STREAM_MODES
+            )
+
+        self.streams, self.teed = aiospawn_streams, aiospawn_teed
+
+
+def error_file(stem: str, rank: int) -> str:
+    """Where rank ``rank`` may write its torchrun error file: ``{stem}-rank{rank}.error.json``."""
+    return f"{stem}-rank{rank}.error.json"
+
+
+def _signal_numbers(names: tuple[str, ...]) -> set[int]:
+    return {int(getattr(signal, name)) for name in names}
+
+
+def _refuse_rendezvous(options: argparse.Namespace) -> None:
+    """Refuse torchrun's multi-node flags; accept the values that describe one machine."""
+    elsewhere = (
+        "aiospawn run starts every rank itself, on this machine or, with --ray ADDRESS,"
+        " on a Ray cluster: there is no rendezvous to join"
+    )
+    if options.nnodes is not None and options.nnodes not in ("1", "1:1"):
+        raise UsageError(
+            f"--nnodes {options.nnodes}: {elsewhere}; for ranks on several machines use"
+            " --ray ADDRESS -n N"
+        )
+    if options.node_rank is not None and options.node_rank != "0":
+        raise UsageError(f"--node-rank {options.node_rank}: {elsewhere}")
+    if options.rdzv_backend is not None and options.rdzv_backend not in ("static", "c10d"):
+        raise UsageError(f"--rdzv-backend {options.rdzv_backend}: {elsewhere}")
+    if options.rdzv_endpoint is not None:
+        host = options.rdzv_endpoint.rpartition(":")[0] or options.rdzv_endpoint
+        if host.strip("[]") not in LOCAL_HOSTS:
+            raise UsageError(f"--rdzv-endpoint {options.rdzv_endpoint}: {elsewhere}")
+    if options.master_addr is not None and options.master_addr not in LOCAL_HOSTS:
+        raise UsageError(
+            f"--master-addr {options.master_addr}: the ranks of one machine meet on"
+            " 127.0.0.1; on Ray, MASTER_ADDR is rank 0's node"
+        )
+    if options.master_port is not None and not options.master_port.isdigit():
+        raise UsageError(f"--master-port wants a port number, got {options.master_port!r}")
+    for flag, value, why in (
+        ("--rdzv-conf", options.rdzv_conf, elsewhere),
+        ("--local-addr", options.local_addr, elsewhere),
+        ("--logs-specs", options.logs_specs, "use --log-dir, -r/--redirects and -t/--tee"),
+        (
+            "--duplicate-stdout-filters",
+            options.duplicate_stdout_filters,
+            "aiospawn has no filtered copies; use -t/--tee with --log-dir and grep the files",
+        ),
+        (
+            "--duplicate-stderr-filters",
+            options.duplicate_stderr_filters,
+            "aiospawn has no filtered copies; use -t/--tee with --log-dir and grep the files",
+        ),
+        (
+            "--numa-binding",
+            options.numa_binding,
+            "aiospawn does not bind ranks to NUMA nodes; run TARGET under numactl with --no-python",
+        ),
+    ):
+        if value is not None:
+            raise UsageError(f"{flag} {value}: {why}")
+    if options.monitor_interval is not None:
+        try:
+            float(options.monitor_interval)
+        except ValueError:
+            raise UsageError(
+                f"--monitor-interval wants seconds, got {options.monitor_interval!r}"
+            ) from None
+
+
+def _restart_policy(options: argparse.Namespace) -> aiospawn.RestartPolicy | None:
+
+    if options.restart_window is not None and not options.max_restarts:
+        raise UsageError("--restart-window needs --max-restarts N, N > 0")
+    if options.restart_window == 0:
+        raise UsageError("--restart-window must be more than 0 seconds")
+    for flag, value in (
+        ("--restart-strategy", options.restart_strategy),
+        ("--restart-backoff", options.restart_backoff),
+    ):
+        if value is not None and not options.max_restarts:
+            raise UsageError(f"{flag} needs --max-restarts N, N > 0")
+    if not options.max_restarts:
+        return None
+    backoff = aiospawn.Backoff()
+    if options.restart_backoff is not None:
+        backoff = aiospawn.Backoff(
+            initial=options.restart_backoff, max=max(backoff.max, options.restart_backoff)
+        )
+    return aiospawn.RestartPolicy(
+        max_restarts=options.max_restarts,
+        window=options.restart_window or math.inf,
+        backoff=backoff,
+        strategy=options.restart_strategy or "one_for_all",
+    )
+
+
+def _grace_period(options: argparse.Namespace) -> float | None:
+
+    if options.grace_period is not None and options.shutdown_timeout is not None:
+        raise UsageError(
+            "--grace-period and --shutdown-timeout both set the wait from SIGTERM to SIGKILL:"
+            " give one"
+        )
+    if options.grace_period is not None:
+        grace: float = options.grace_period
+        return grace
+    if options.shutdown_timeout is not None:
+        timeout: float = options.shutdown_timeout
+        return timeout
+    text = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+    if text:  # torchrun's own default comes from there
+        try:
+            return _seconds(text)
+        except argparse.ArgumentTypeError as exc:
+            raise UsageError(f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT {exc}") from None
+    return None
+
+
+def _devices(options: argparse.Namespace) -> tuple[int | None, list[str] | None]:
+
+    per_rank: int | None = options.devices_per_rank
+    devices: list[str] | None = options.devices
+    if options.virtual_local_rank:
+        if per_rank not in (None, 1):
+            raise UsageError(
+                "--virtual-local-rank gives each rank one device: drop --devices-per-rank"
+            )
+        per_rank = 1
+        if devices is None and not visible_devices():
+            # As torchrun does with no CUDA_VISIBLE_DEVICES: rank r sees device r.
+            devices = [str(rank) for rank in range(options.nprocs)]
+    if options.ray is not None and devices is not None:
+        raise UsageError(
+            "--devices names this machine's devices; with --ray give --devices-per-rank N,"
+            " and Ray gives each rank N GPUs of its node"
+        )
+    if options.ray is None and (per_rank is not None or devices is not None):
+        # Checked here too, so that a count that does not fit is a usage error.
+        try:
+            assign_devices(options.nprocs, per_rank, devices)
+        except ValueError as exc:
+            raise UsageError(_cli_spelling(str(exc))) from None
+    return per_rank, devices
+
+
+def _cli_spelling(message: str) -> str:
+    return message.replace("devices_per_rank", "--devices-per-rank").replace(
+        "name the devices to use", "name them with --devices"
+    )
+
+
+def _target(
+    options: argparse.Namespace, *, absolute: bool
+) -> tuple[Callable[..., None], tuple[Any, ...], str]:
+    """The rank function and its arguments for the launch mode; UsageError if unusable.
+
+    With ``absolute``, a script's path is made absolute: a Ray worker runs in
+    a directory of its own.
+    """
+
+    target: str = options.target
+    args: list[str] = list(options.args)
+    if options.module:
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())  # as python -m: the current directory first
+        _check_module(target)
+        return rank_module, (target, args), f"-m {target}"
+    if options.fn:
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        try:
+            resolve_function(target)
+        except Exception as exc:
+            raise UsageError(f"--fn {target}: {exc}") from None
+        return rank_function, (target, args), f"--fn {target}"
+    if options.no_python:
+        if shutil.which(target) is None:
+            raise UsageError(f"--no-python {target}: no such executable program")
+        return rank_program, ([target, *args],), target
+    if not os.path.exists(target):
+        raise UsageError(f"script {target!r} does not exist")
+    path = os.path.abspath(target) if absolute else target
+    return rank_script, (path, args), target
+
+
+def _check_module(name: str) -> None:
+
+    try:
+        spec = importlib.util.find_spec(name)
+    except Exception as exc:  # a parent package failed to import, or a bad name
+        raise UsageError(f"-m {name}: {exc}") from None
+    if spec is None:
+        raise UsageError(f"-m {name}: no module named {name!r}")
