@@ -10,6 +10,7 @@ import logging
 import multiprocessing
 import multiprocessing.context
 import multiprocessing.process
+import threading
 from functools import partial
 from typing import Any
 
@@ -120,20 +121,71 @@ async def test_a_negative_grace_period_is_rejected(entry: str, grace_period: flo
         await enter(entry, ranks.identity, (), 2, grace_period=grace_period)
 
 
-@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
-@pytest.mark.usefixtures("no_process_start")
-async def test_a_lambda_or_local_function_is_rejected_under_spawn_and_forkserver(
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver", "fork"])
+async def test_a_lambda_local_function_or_local_class_runs_under_every_start_method(
     start_method: str,
 ) -> None:
-    def local_rank_fn(rank: int) -> int:
-        return rank
+    factor = 7
 
-    with pytest.raises(TypeError, match=r"<lambda>.*cannot be pickled"):
-        await aiospawn.start_processes(lambda rank: rank, nprocs=2, start_method=start_method)
-    with pytest.raises(TypeError, match=r"local_rank_fn.*cannot be pickled"):
-        await aiospawn.start_processes(local_rank_fn, nprocs=2, start_method=start_method)
-    with pytest.raises(TypeError, match=r"<lambda>.*cannot be pickled"):
-        async with aiospawn.open_group(lambda rank: rank, nprocs=2, start_method=start_method):
+    class Offset:
+        def __init__(self, by: int) -> None:
+            self.by = by
+
+    def local_rank_fn(rank: int, offset: Offset) -> int:
+        return rank * factor + offset.by
+
+    doubled = await aiospawn.start_processes(
+        lambda rank: rank * 2, nprocs=2, start_method=start_method
+    )
+    assert doubled == [0, 2]
+    results = await aiospawn.start_processes(
+        local_rank_fn, (Offset(1),), nprocs=2, start_method=start_method
+    )
+    assert results == [1, 8]
+
+    # A local fn whose argument is a lambda: the whole payload goes by value.
+    def apply(rank: int, fn: Any) -> Any:
+        return fn(rank)
+
+    assert await aiospawn.start_processes(
+        apply, (lambda rank: rank + 3,), nprocs=2, start_method=start_method
+    ) == [3, 4]
+    async with aiospawn.open_group(lambda rank: -rank, nprocs=2, start_method=start_method) as ctx:
+        pass
+    assert ctx.results == [0, -1]
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+async def test_a_local_function_gets_the_pipes_among_its_arguments(
+    start_method: str, events: Events
+) -> None:
+    reader, writer = events
+
+    def report(rank: int, events: Any) -> None:
+        events.send(("hello", rank))
+
+    # By value, yet the pipe reaches the rank as a descriptor, as by reference.
+    await aiospawn.start_processes(report, (writer,), nprocs=2, start_method=start_method)
+    assert sorted(drain(reader)) == [("hello", 0), ("hello", 1)]
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+@pytest.mark.usefixtures("no_process_start")
+async def test_a_fn_that_cannot_be_sent_even_by_value_is_refused_before_any_rank_starts(
+    start_method: str,
+) -> None:
+    lock = threading.Lock()
+
+    def holds_a_lock(rank: int) -> bool:
+        return lock.locked()
+
+    expected = (
+        r"fn <function .*holds_a_lock.*> cannot be pickled, even by value.*start_method='fork'"
+    )
+    with pytest.raises(TypeError, match=expected):
+        await aiospawn.start_processes(holds_a_lock, nprocs=2, start_method=start_method)
+    with pytest.raises(TypeError, match=expected):
+        async with aiospawn.open_group(holds_a_lock, nprocs=2, start_method=start_method):
             pytest.fail("the open_group block ran")
 
 

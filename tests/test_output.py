@@ -7,6 +7,8 @@ descriptors 1 and 2 through ``sys.stdout`` and ``sys.stderr``).
 
 from __future__ import annotations
 
+import contextvars
+import io
 import json
 import os
 import stat
@@ -90,6 +92,45 @@ async def test_prefix_template_names_the_pid(capfd: pytest.CaptureFixture[str]) 
     out = capfd.readouterr().out.splitlines()
     for rank, pid in enumerate(pids):
         assert f"<{rank}|{pid}> out {rank} 0" in out
+
+
+class TextOnly(io.TextIOBase):
+    """A text stream without a binary ``buffer``, as a notebook kernel's ``sys.stdout`` is.
+
+    It keeps each write with the value that ``WRITER`` had in the writer's context.
+    """
+
+    def __init__(self) -> None:
+        self.writes: list[tuple[str, str]] = []
+
+    def write(self, text: str) -> int:
+        if not isinstance(text, str):
+            raise TypeError(f"write() argument must be str, not {type(text).__name__}")
+        self.writes.append((WRITER.get("nobody"), text))
+        return len(text)
+
+
+#: Who owns a write: ipykernel keeps the cell a write belongs to in a context variable.
+WRITER: contextvars.ContextVar[str] = contextvars.ContextVar("WRITER")
+
+
+async def test_prefix_writes_text_to_a_text_only_stream_in_the_context_that_started_the_group(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    stream = TextOnly()
+    monkeypatch.setattr(sys, "stdout", stream)
+    token = WRITER.set("the starter")
+    try:
+        ctx = await aiospawn.start_processes(
+            ranks.out_hello, (2,), nprocs=2, join=False, stdout="prefix"
+        )
+    finally:
+        WRITER.reset(token)
+    WRITER.set("a later task")  # a later cell, say; the group's lines stay the starter's
+    await ctx.join()
+    lines = sorted(text.rstrip("\n") for _, text in stream.writes)
+    assert lines == [f"[rank{rank}]: out {rank} {index}" for rank in range(2) for index in range(2)]
+    assert {writer for writer, _ in stream.writes} == {"the starter"}
 
 
 async def test_directory_mode_writes_owner_only_files(tmp_path: Path) -> None:

@@ -551,6 +551,8 @@ class RefusesSecondPickle:
         return bytes, ()
 
 
+# In a program whose __main__ is a file, arguments go by reference, as multiprocessing
+# sends them; a lambda among them cannot.
 unpicklable_lambda = lambda rank: rank  # noqa: E731  (a lambda cannot be pickled by name)
 
 
@@ -604,51 +606,6 @@ def test_fn_defined_in_the_main_script_works_under_spawn() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == [[0, "hi", "__mp_main__"], [1, "hi", "__mp_main__"]]
-
-
-INTERACTIVE_MAIN = """
-import functools, json, multiprocessing.process
-import anyio, aiospawn
-
-started = []
-real_start = multiprocessing.process.BaseProcess.start
-def start(self):
-    started.append(self.name)
-    real_start(self)
-multiprocessing.process.BaseProcess.start = start
-
-def fn(rank):
-    return rank
-
-report = {}
-for method in ("spawn", "forkserver", "fork"):
-    call = functools.partial(aiospawn.start_processes, fn, (), 2, start_method=method)
-    try:
-        report[method] = anyio.run(call)
-    except TypeError as exc:
-        report[method] = f"TypeError: {exc}"
-    report[method + " processes started"] = len(started)
-    started.clear()
-print(json.dumps(report))
-"""
-
-
-def test_fn_of_an_interactive_main_is_refused_before_any_process_under_spawn() -> None:
-    done = subprocess.run(
-        [sys.executable, "-c", INTERACTIVE_MAIN],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout)
-    for method in ("spawn", "forkserver"):
-        assert report[method].startswith("TypeError: fn <function fn"), report
-        assert "interactive __main__" in report[method]
-        assert "start_method='fork'" in report[method]  # the way out
-        assert report[f"{method} processes started"] == 0
-    assert report["fork"] == [0, 1]  # a fork rank inherits __main__ as it is
 
 
 @pytest.mark.slow

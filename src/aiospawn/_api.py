@@ -11,6 +11,7 @@ from typing import Any, Literal, TypedDict, TypeVar, TypeVarTuple, Unpack, overl
 from ._core._backend import Backend
 from ._core._context import AsyncProcessContext
 from ._core._group import Supervision
+from ._core._notebook import default_stream_mode, signals_wake_the_loop
 from ._core._policy import RestartPolicy
 from ._core._spec import DEFAULT_PREFIX, EnvSpec, check_seconds, make_output_spec, make_spec
 from ._local._launcher import LocalBackend
@@ -55,9 +56,10 @@ class GroupOptions(TypedDict, total=False):
             ``None`` (the default): a rank that never beats is never hung.
         backend: Where the ranks run: local processes (the default), or
             ``aiospawn.ray.RayBackend(...)`` for a Ray cluster.
-        stdout: Where each rank's stdout goes: ``"inherit"`` (the default),
-            ``"prefix"`` (the supervisor's stdout, each line behind
-            ``prefix``), ``"capture"`` (kept for ``ctx.output()``),
+        stdout: Where each rank's stdout goes: ``"inherit"`` (the default;
+            under ipykernel ``"prefix"``, so that the lines appear in the cell
+            that started the group), ``"prefix"`` (the supervisor's
+            ``sys.stdout``, each line behind ``prefix``), ``"capture"`` (kept for ``ctx.output()``),
             ``"devnull"``, or a directory path (one file per rank,
             ``rank{N}.stdout``, owner-only, never deleted); or a callable
             ``rank -> mode`` for a mode per rank.
@@ -151,8 +153,9 @@ async def start_processes(
 
     Args:
         fn: A function taking the rank first. Under ``spawn`` and
-            ``forkserver`` it must be importable by the rank: a module-level
-            function, not a lambda or a local function.
+            ``forkserver``, a function the rank can import goes by reference;
+            a lambda, a local function, or one defined in a notebook cell or
+            another interactive ``__main__`` goes by value (cloudpickle).
         args: Further positional arguments for ``fn``; pickled under ``spawn``
             and ``forkserver``, which may carry ``multiprocessing`` queues and
             pipes as usual.
@@ -179,7 +182,8 @@ async def start_processes(
             killed by a signal (``join=True``).
         ProcessHungException: A rank stopped sending heartbeats (``join=True``).
         TypeError: ``fn`` is not callable or cannot be pickled for the start
-            method; ``args`` is not a sequence. Raised before any process starts.
+            method, even by value; ``args`` is not a sequence. Raised before
+            any process starts.
         ValueError: ``nprocs``, ``start_method``, ``grace_period`` or an
             output option is invalid, or the devices asked for do not fit
             (``devices_per_rank`` times ``nprocs`` is more than ``devices``).
@@ -194,11 +198,12 @@ async def start_processes(
         cancellation is re-raised, unchanged. A second cancellation does not
         cut that short. Nothing is left running.
     """
-    ctx = await _start_group(fn, args, nprocs, daemon, start_method, options)
-    if not join:
-        return ctx
-    await ctx.join()
-    return ctx.results
+    with signals_wake_the_loop():  # a notebook's stop button cancels this call
+        ctx = await _start_group(fn, args, nprocs, daemon, start_method, options)
+        if not join:
+            return ctx
+        await ctx.join()
+        return ctx.results
 
 
 @overload
@@ -317,11 +322,12 @@ async def open_group(
         (SIGTERM, grace period, SIGKILL) and reaps them all before the
         cancellation propagates, unchanged.
     """
-    ctx: AsyncProcessContext[T] = await _start_group(
-        fn, args, nprocs, daemon, start_method, options
-    )
-    async with ctx:
-        yield ctx
+    with signals_wake_the_loop():  # a notebook's stop button cancels the block
+        ctx: AsyncProcessContext[T] = await _start_group(
+            fn, args, nprocs, daemon, start_method, options
+        )
+        async with ctx:
+            yield ctx
 
 
 async def _start_group(
@@ -348,8 +354,8 @@ async def _start_group(
         raise TypeError(f"restart must be an aiospawn.RestartPolicy, got {supervision.restart!r}")
     backend = options.get("backend") or LocalBackend()
     output = make_output_spec(
-        options.get("stdout", "inherit"),
-        options.get("stderr", "inherit"),
+        options.get("stdout", default_stream_mode()),
+        options.get("stderr", default_stream_mode()),
         options.get("tee", False),
         options.get("prefix", DEFAULT_PREFIX),
     )

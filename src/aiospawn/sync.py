@@ -32,8 +32,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import inspect
 import sys
 import threading
+import types
 import warnings
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal, TypeVar, TypeVarTuple, cast, overload
@@ -400,6 +402,8 @@ def start_processes(
         RuntimeError: Called from a thread running an asyncio or trio event
             loop, which this call would block; use ``await
             aiospawn.start_processes(...)`` or ``aiospawn.open_group(...)``.
+            A synchronous notebook cell is allowed, though ipykernel runs it
+            inside its loop.
 
     An exception raised in the calling thread while it waits (a
     ``KeyboardInterrupt``) stops every rank (SIGTERM, 30 s, SIGKILL) and
@@ -633,12 +637,41 @@ def _timeout_seconds(timeout: object) -> float | None:
 
 def _refuse_inside_event_loop(call: str) -> None:
     library = _running_event_loop()
-    if library is not None:
+    if library is not None and not _called_from_a_notebook_cell():
         raise RuntimeError(
             f"aiospawn.sync.{call} blocks its thread, and this thread runs a {library} event"
             " loop that would stall meanwhile; use the async API instead: `await"
             " aiospawn.start_processes(...)` or `async with aiospawn.open_group(...) as group`"
         )
+
+
+def _called_from_a_notebook_cell() -> bool:
+    """True if the caller is a synchronous IPython cell (a Jupyter notebook's, say).
+
+    ipykernel runs every cell inside its asyncio loop, so a plain cell sees a
+    running loop, and even a current task (the kernel's own): neither tells a
+    synchronous cell from a coroutine. The stack does. IPython executes a
+    cell from its coroutine ``InteractiveShell.run_code``; a synchronous cell
+    is plain code, so the nearest coroutine frame above the caller is
+    ``run_code`` itself. A cell with top-level ``await``, or a coroutine
+    defined anywhere, is a coroutine frame of its own, and is refused as in any
+    async program. Blocking a synchronous cell blocks what the kernel expects a
+    running cell to block, as ``torch.multiprocessing.spawn`` does there.
+    """
+    interactiveshell = sys.modules.get("IPython.core.interactiveshell")
+    shell = getattr(interactiveshell, "InteractiveShell", None)
+    run_code = getattr(getattr(shell, "run_code", None), "__code__", None)
+    if run_code is None:
+        return False
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_flags & _COROUTINE_FLAGS:
+            return frame.f_code is run_code
+        frame = frame.f_back
+    return False
+
+
+_COROUTINE_FLAGS = inspect.CO_COROUTINE | inspect.CO_ITERABLE_COROUTINE | inspect.CO_ASYNC_GENERATOR
 
 
 def _running_event_loop() -> str | None:

@@ -6,20 +6,33 @@ environment and where output goes. :func:`make_spec` and
 :func:`make_output_spec` check the user's arguments and say what to do instead;
 nothing has started when they raise. :func:`check_seconds` is the one check
 of options that are a number of seconds.
+
+A ``spawn`` or ``forkserver`` rank receives ``fn`` and ``args`` pickled. An
+object it could import goes by reference (plain pickle, as multiprocessing
+does); one it could not (a lambda, a local function or class, anything
+defined in an interactive ``__main__``: a notebook cell, ``python -c``, a
+script read from standard input, the REPL) goes by value, with cloudpickle.
+:func:`needs_value` is the one rule that tells them apart; :func:`make_spec`
+applies it to ``fn`` and :func:`dumps_payload` to ``fn`` and ``args`` together.
 """
 
 from __future__ import annotations
 
+import collections
+import functools
+import io
 import math
 import multiprocessing
 import os
 import pickle
 import resource
 import sys
+import types
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 START_METHODS = ("spawn", "fork", "forkserver")
 
@@ -177,6 +190,8 @@ class LaunchSpec:
     heartbeats: bool = False
     devices: tuple[tuple[str, ...], ...] | None = None
     devices_per_rank: int | None = None
+    #: ``fn`` must reach the ranks by value (see :func:`needs_value`).
+    fn_by_value: bool = False
 
 
 def make_spec(
@@ -199,9 +214,8 @@ def make_spec(
 
     Raises:
         TypeError: ``fn`` is not callable, or cannot reach a ``spawn`` or
-            ``forkserver`` child (a lambda, a local function, a function of an
-            interactive ``__main__``; checked with ``check_importable`` only);
-            ``args`` is not a sequence; ``env`` is
+            ``forkserver`` child even by value (checked with
+            ``check_importable`` only); ``args`` is not a sequence; ``env`` is
             neither a mapping nor a callable.
         ValueError: ``nprocs`` is not a positive int within :func:`max_nprocs`,
             ``start_method`` is unknown, a rank's output option is bad, or the
@@ -226,8 +240,8 @@ def make_spec(
         )
     else:
         assigned = None
-    if check_importable and method != "fork":
-        _check_importable(fn, method)
+    # A fork rank inherits fn as it is: nothing is pickled.
+    by_value = check_importable and method != "fork" and _check_importable(fn, method)
     return LaunchSpec(
         fn=fn,
         args=tuple(args),
@@ -240,6 +254,7 @@ def make_spec(
         heartbeats=heartbeats,
         devices=assigned,
         devices_per_rank=devices_per_rank,
+        fn_by_value=by_value,
     )
 
 
@@ -380,18 +395,131 @@ def check_seconds(
     raise ValueError(f"{name} must be {rule}, got {value!r}")
 
 
-def _check_importable(fn: Callable[..., Any], method: str) -> None:
-    module = getattr(fn, "__module__", None)
-    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
-    if module == "__main__" and main_file is None:
-        raise TypeError(
-            f"fn {fn!r} is defined in an interactive __main__, which a {method!r} rank"
-            " cannot import; move it to a module, or use start_method='fork'"
-        )
+def _check_importable(fn: Callable[..., Any], method: str) -> bool:
+    """Decide how ``fn`` reaches a ``spawn`` or ``forkserver`` rank: True means by value.
+
+    Raises:
+        TypeError: ``fn`` cannot be pickled even by value.
+    """
     try:
-        pickle.dumps(fn)
+        _FindValues(io.BytesIO(), protocol=pickle.HIGHEST_PROTOCOL).dump(fn)
+    except Exception:  # _NeedsValue, or plain pickle failed: cloudpickle may still send it
+        pass
+    else:
+        return False
+    import cloudpickle  # type: ignore[import-untyped]
+
+    try:
+        cloudpickle.dumps(fn)
     except Exception as exc:
         raise TypeError(
-            f"fn {fn!r} cannot be pickled, so a {method!r} rank cannot receive it ({exc});"
-            " define it at the top level of a module, or use start_method='fork'"
+            f"fn {fn!r} cannot be pickled, even by value, so a {method!r} rank cannot"
+            f" receive it ({exc}); make fn and what it refers to picklable (define it at the"
+            " top level of a module), or use start_method='fork'"
         ) from exc
+    return True
+
+
+def interactive_main() -> bool:
+    """True if ``__main__`` cannot be imported again by a ``spawn`` or ``forkserver`` rank.
+
+    That is a notebook or IPython session, ``python -c``, the REPL (no
+    ``__file__``), or a script read from standard input (``__file__`` is
+    ``"<stdin>"``, not a file). A main module run with ``-m`` is imported by name.
+    """
+    main = sys.modules.get("__main__")
+    if main is None:
+        return True
+    if getattr(main, "__spec__", None) is not None:
+        return False
+    path = getattr(main, "__file__", None)
+    return path is None or not os.path.isfile(path)
+
+
+def needs_value(obj: object, interactive: bool | None = None) -> bool:
+    """True if a rank could not import ``obj`` (a function or class) by its name.
+
+    Lambdas, functions and classes defined inside a function, and those of an
+    interactive ``__main__``; ``interactive`` is :func:`interactive_main`,
+    computed here if not given.
+    """
+    if not isinstance(obj, type | types.FunctionType):
+        return False
+    qualname = getattr(obj, "__qualname__", "")
+    if "<lambda>" in qualname or "<locals>" in qualname:
+        return True
+    if getattr(obj, "__module__", None) != "__main__":
+        return False
+    return interactive_main() if interactive is None else interactive
+
+
+class _NeedsValue(Exception):
+    """Raised on meeting an object that must go by value."""
+
+
+class _FindValues(pickle.Pickler):
+    """Plain pickle that stops at the first object :func:`needs_value` picks out.
+
+    ``reducer_override`` sees every object but the built-in containers and
+    scalars, classes and functions included, before pickle looks them up by name.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._interactive = interactive_main()  # once: it looks at the file system
+
+    def reducer_override(self, obj: object) -> Any:
+        if needs_value(obj, self._interactive):
+            raise _NeedsValue
+        return NotImplemented
+
+
+class _ByReference(_FindValues, ForkingPickler):
+    """:class:`_FindValues` with multiprocessing's reducers, as ``Process.start()`` pickles.
+
+    They pass the pipes, connections and sockets among the arguments on to the
+    rank as descriptors.
+    """
+
+
+@functools.cache
+def _by_value() -> type[pickle.Pickler]:
+    import cloudpickle  # only for what plain pickle cannot send
+
+    class ByValue(cloudpickle.Pickler):  # type: ignore[misc]
+        # Set on the class: the C pickler reads it when it is made. cloudpickle's
+        # reducers first, then multiprocessing's (see _ByReference).
+        dispatch_table: ClassVar[Mapping[type, Any]] = collections.ChainMap(
+            cloudpickle.Pickler.dispatch_table, ForkingPickler(io.BytesIO()).dispatch_table
+        )
+
+    return ByValue
+
+
+def dumps_payload(
+    fn: Callable[..., Any], args: tuple[Any, ...], *, by_value: bool
+) -> tuple[bool, bytes]:
+    """Pickle ``(fn, args)`` for a rank: by reference, or with cloudpickle if anything needs it.
+
+    ``by_value`` skips the plain attempt (``fn`` is known to need it). Call
+    it while ``Process.start()`` pickles the rank, whose reducers then pass
+    descriptors. The rank unpickles either kind with plain ``pickle.loads``:
+    a cloudpickle payload imports cloudpickle there, and only then.
+
+    Returns:
+        ``(by_value, data)``: whether cloudpickle was needed, and the pickle.
+
+    Raises:
+        Exception: What pickling ``fn`` or ``args`` raised, unchanged.
+    """
+    if not by_value:
+        buffer = io.BytesIO()
+        try:
+            _ByReference(buffer, pickle.HIGHEST_PROTOCOL).dump((fn, args))
+        except _NeedsValue:
+            pass
+        else:
+            return False, buffer.getvalue()
+    buffer = io.BytesIO()
+    _by_value()(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump((fn, args))
+    return True, buffer.getvalue()

@@ -8,12 +8,22 @@ ranks take about one rank's start time. A ``fork`` start never waits for the
 child; those run on the event-loop thread, one at a time, with a checkpoint
 between them. Each process object exists before its start, and starts are
 never abandoned on cancellation, so no rank can start behind our back.
+
+Under ``spawn`` and ``forkserver``, ``fn`` and ``args`` are pickled by
+reference with the process object, as multiprocessing does, unless ``fn`` must
+go by value (``_core._spec.needs_value``) or ``__main__`` is interactive (a
+notebook, ``python -c``): there the objects defined in ``__main__`` pickle by
+name, yet no rank could import them, so ``fn`` and ``args`` are checked as they
+are pickled, and go by value (cloudpickle) if any of them needs it. Those
+travel as one :class:`~aiospawn._rank.bootstrap.Payload`.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.process
 import os
+import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -23,8 +33,14 @@ from anyio.lowlevel import checkpoint
 from aiospawn._core._backend import OnExit, raise_start_error
 from aiospawn._core._capture import CaptureBuffer
 from aiospawn._core._env import free_port, rank_environment, torchrun_environment
-from aiospawn._core._spec import LaunchSpec
-from aiospawn._rank.bootstrap import RankSetup, early_environment, run_rank
+from aiospawn._core._spec import LaunchSpec, dumps_payload, interactive_main
+from aiospawn._rank.bootstrap import (
+    RankSetup,
+    early_environment,
+    run_rank,
+    unpickle_in_rank,
+    unpickle_now,
+)
 
 from ._output import RankOutput
 from ._pipes import rank_pipe
@@ -76,16 +92,16 @@ class LocalLauncher:
             heartbeat=progress.child_ends[0] if progress else None,
             stacks=progress.child_ends[1] if progress else None,
         )
-        process = context.Process(
-            target=run_rank,
-            args=(spec.fn, index, spec.args, writer, setup),
-            daemon=spec.daemon,
-            name=(
-                f"aiospawn-rank-{index}"
-                if spec.start_method == "fork"
-                else early_environment(f"aiospawn-rank-{index}", setup.env)
-            ),
-        )
+        name = f"aiospawn-rank-{index}"
+        if spec.start_method != "fork":
+            name = early_environment(name, setup.env, _unloadable_main_path())
+        if spec.start_method == "fork" or not (spec.fn_by_value or interactive_main()):
+            # As multiprocessing sends them: inherited by a fork rank, else
+            # pickled inline with the process object, at no extra cost.
+            work: tuple[Any, ...] = (spec.fn, index, spec.args, writer, setup)
+        else:
+            work = (_SendPayload(spec), index, (), writer, setup)
+        process = context.Process(target=run_rank, args=work, daemon=spec.daemon, name=name)
         return LocalRank(
             index,
             process,
@@ -120,6 +136,40 @@ class LocalLauncher:
             assert self._master_port is not None
             torchrun = torchrun_environment(index, spec.nprocs, restart, self._master_port)
         return rank_environment(spec, index, restart, torchrun)
+
+
+class _SendPayload:
+    """Pickles into the rank's :class:`~aiospawn._rank.bootstrap.Payload`.
+
+    Pickled once per rank, as multiprocessing pickled ``fn`` and ``args``
+    before, and on the thread that starts the rank; an error is raised
+    from ``Process.start()`` unchanged.
+    """
+
+    def __init__(self, spec: LaunchSpec) -> None:
+        self._spec = spec
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        spec = self._spec
+        by_value, data = dumps_payload(spec.fn, spec.args, by_value=spec.fn_by_value)
+        return (unpickle_in_rank if by_value else unpickle_now), (data,)
+
+
+def _unloadable_main_path() -> str | None:
+    """The path a ``spawn`` rank would run ``__main__`` from, if that is not a file.
+
+    The same path as multiprocessing's preparation data gives the rank
+    (``spawn.get_preparation_data``): ``__file__``, made absolute from the
+    directory the program started in.
+    """
+    main = sys.modules.get("__main__")
+    path: str | None = getattr(main, "__file__", None)
+    if path is None or not interactive_main():
+        return None
+    original_dir = multiprocessing.process.ORIGINAL_DIR  # type: ignore[attr-defined]
+    if not os.path.isabs(path) and original_dir is not None:
+        path = os.path.join(original_dir, path)
+    return os.path.normpath(path)
 
 
 async def start_ranks(ranks: Sequence[LocalRank], start_method: str) -> None:

@@ -7,7 +7,8 @@ A stream's mode is one of
 * a directory path: one file per rank and stream (``rank3.stdout``), created
   with owner-only permissions and never deleted;
 * ``"prefix"``: each line is written to the supervisor's stream behind a
-  prefix such as ``[rank3]: ``;
+  prefix such as ``[rank3]: `` (the default under ipykernel, see
+  ``_core._spec.default_stream_mode``);
 * ``"capture"``: the lines are kept for ``ctx.output()``.
 
 The rank's file descriptors 1 and 2 are redirected, so the output of C
@@ -18,11 +19,19 @@ watcher reads on the event loop (no thread, no polling): lines are split at
 ``capture`` consumer reads is held back by its full pipe instead of growing
 memory without bound. What a rank wrote just before it exited is read before
 its exit is reported.
+
+Prefixed lines go to the ``sys.stdout`` or ``sys.stderr`` in force when the
+rank was made, binary or text (a notebook's stream is text only), and are
+written in the :mod:`contextvars` context of that moment: ipykernel keeps the
+cell a write belongs to in a context variable (its ``OutStream`` parent
+header, ipykernel 6.29 and later), so the lines of a group started in one cell
+appear in that cell even while a later cell runs.
 """
 
 from __future__ import annotations
 
 import collections
+import contextvars
 import os
 import sys
 from collections.abc import Callable
@@ -232,13 +241,24 @@ class RankOutput:
 
     def _prefixed_writer(self, name: str) -> Callable[[bytes], None]:
         stream: Any = sys.stdout if name == "stdout" else sys.stderr
-        target: BinaryIO = stream.buffer if hasattr(stream, "buffer") else stream
+        binary: BinaryIO | None = getattr(stream, "buffer", None)
+        context = contextvars.copy_context()
 
-        def write(line: bytes) -> None:
-            target.write(self._prefix + line + b"\n")
-            target.flush()
+        def write_binary(line: bytes) -> None:
+            assert binary is not None
+            binary.write(self._prefix + line + b"\n")
+            binary.flush()
 
-        return write
+        def write_text(line: bytes) -> None:
+            stream.write((self._prefix + line).decode(errors="replace") + "\n")
+            stream.flush()
+
+        write = write_binary if binary is not None else write_text
+
+        def write_in_context(line: bytes) -> None:
+            context.run(write, line)
+
+        return write_in_context
 
     def _close_logs(self) -> None:
         for fd in self._log_fds:

@@ -14,7 +14,9 @@ runs, the rank
    thread that forked the rank exits (prctl(2)) and so cannot be used from
    worker threads that retire.
 
-Then ``fn`` runs, and its outcome is sent back as one frame (see ``wire``).
+Then, for a ``fn`` sent by value, the rank unpickles it and ``args`` (see
+:func:`unpickle_in_rank`), ``fn`` runs, and its outcome is sent back as one
+frame (see ``wire``).
 The exit-code contract, row by row:
 
 =====================================  ================  ==========================
@@ -43,6 +45,7 @@ from __future__ import annotations
 import _thread
 import contextlib
 import os
+import pickle
 import select
 import signal
 import sys
@@ -72,29 +75,87 @@ class _EarlyEnvironment(str):
     module and ``fn``'s module, so the variables are in place for them. That
     is also before ``sys.path`` is set up, so the unpickling may only use the
     standard library: it evaluates one fixed expression over the variables.
+
+    With ``main``, the expression also gives the rank's ``__main__`` that
+    ``__file__``: multiprocessing then takes the main module as already
+    loaded instead of running it again from a path that is no file (a
+    script read from standard input has ``__file__ == "<stdin>"``, and its
+    ranks died in ``FileNotFoundError`` before our code ran). Such a rank's
+    ``fn`` comes by value, so it needs nothing of that ``__main__``.
     """
 
     env: dict[str, str]
+    main: str | None
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return eval, (_SET_ENVIRONMENT, {"env": self.env, "name": str(self)})
+        return eval, (_SET_ENVIRONMENT, {"env": self.env, "main": self.main, "name": str(self)})
 
 
-_SET_ENVIRONMENT = "__import__('os').environ.update(env) or name"
+_SET_ENVIRONMENT = (
+    "__import__('os').environ.update(env)"
+    " or main is not None and setattr(__import__('sys').modules['__main__'], '__file__', main)"
+    " or name"
+)
 
 
-def early_environment(name: str, env: dict[str, str] | None) -> str:
-    """``name``, which also carries ``env`` into a rank before its imports (see above).
+def early_environment(name: str, env: dict[str, str] | None, main: str | None = None) -> str:
+    """``name``, which also carries ``env`` (and ``main``) into a rank before its imports.
 
-    Only for ``spawn`` and ``forkserver`` ranks: a ``fork`` rank keeps its
-    name unpickled, and any process that unpickled it later (a log record's
-    ``processName``) would take the variables too.
+    See :class:`_EarlyEnvironment`. Only for ``spawn`` and ``forkserver``
+    ranks: a ``fork`` rank keeps its name unpickled, and any process that
+    unpickled it later (a log record's ``processName``) would take the
+    variables too.
     """
-    if not env:
+    if not env and main is None:
         return name
     carrier = _EarlyEnvironment(name)
-    carrier.env = env
+    carrier.env = env or {}
+    carrier.main = main
     return carrier
+
+
+class Payload:
+    """``fn`` and ``args`` of a ``spawn`` or ``forkserver`` rank, as the supervisor pickled them.
+
+    Made by :func:`unpickle_now` or :func:`unpickle_in_rank`, which the
+    supervisor's pickle names (see ``_local._launcher``).
+    """
+
+    __slots__ = ("_data", "_work")
+
+    def __init__(
+        self, data: bytes | None, work: tuple[Callable[..., Any], tuple[Any, ...]] | None
+    ) -> None:
+        self._data = data
+        self._work = work
+
+    def load(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        """Return ``(fn, args)``, unpickling them if that has not happened yet."""
+        if self._work is None:
+            assert self._data is not None
+            fn, args = pickle.loads(self._data)
+            self._work, self._data = (fn, args), None
+        return self._work
+
+
+def unpickle_now(data: bytes) -> Payload:
+    """By reference: unpickled with the process object, as multiprocessing does.
+
+    That is while the supervisor's ``Process.start()`` still waits, once the
+    environment and ``__main__`` are in place, and it imports ``fn``'s module.
+    """
+    fn, args = pickle.loads(data)
+    return Payload(None, (fn, args))
+
+
+def unpickle_in_rank(data: bytes) -> Payload:
+    """By value (cloudpickle): unpickled by :func:`run_rank`, before ``fn`` runs.
+
+    Then the guard runs and the streams are redirected, and a failure is
+    reported as one of ``fn`` (a module the rank lacks, say). Plain
+    ``pickle.loads`` reads it, and imports cloudpickle, in those ranks only.
+    """
+    return Payload(data, None)
 
 
 class RankSetup(NamedTuple):
@@ -126,7 +187,7 @@ class RankSetup(NamedTuple):
 
 
 def run_rank(
-    fn: Callable[..., Any],
+    fn: Callable[..., Any] | Payload,
     rank: int,
     args: tuple[Any, ...],
     channel: ChildEnd,
@@ -135,9 +196,9 @@ def run_rank(
     """Run ``fn(rank, *args)`` as rank ``rank`` and report how it ended.
 
     Args:
-        fn: The user's function.
+        fn: The user's function, or a :class:`Payload` holding it and ``args``.
         rank: This rank's index.
-        args: The extra positional arguments.
+        args: The extra positional arguments (empty with a :class:`Payload`).
         channel: Write end of the rank's private result pipe.
         setup: The rank's surroundings.
     """
@@ -154,6 +215,8 @@ def run_rank(
     _redirect(sys.stderr, 2, setup.stderr)
     fd = channel.fd
     try:
+        if isinstance(fn, Payload):
+            fn, args = fn.load()
         value = fn(rank, *args)
     except SystemExit as exc:
         kind, payload, code = encode_exit(exc)
