@@ -56,9 +56,10 @@ class GroupOptions(TypedDict, total=False):
             ``aiospawn.ray.RayBackend(...)`` for a Ray cluster.
         stdout: Where each rank's stdout goes: ``"inherit"`` (the default),
             ``"prefix"`` (the supervisor's stdout, each line behind
-            ``prefix``), ``"capture"`` (kept for ``ctx.output()``),
-            ``"devnull"``, or a directory path (one file per rank,
-            ``rank{N}.stdout``, owner-only, never deleted).
+            ``prefix``), ``"capture"`` (kept for ``ctx.output()``, so only
+            with ``open_group`` or ``join=False``), ``"devnull"``, or a
+            directory path (one file per rank, ``rank{N}.stdout``,
+            owner-only, never deleted).
         stderr: The same for stderr (files ``rank{N}.stderr``). With ``prefix``,
             ``capture`` or ``tee``, a failed rank's exception quotes its last
             20 stderr lines.
@@ -164,8 +165,9 @@ async def start_processes(
         ProcessHungException: A rank stopped sending heartbeats (``join=True``).
         TypeError: ``fn`` is not callable or cannot be pickled for the start
             method; ``args`` is not a sequence. Raised before any process starts.
-        ValueError: ``nprocs``, ``start_method`` or ``grace_period`` is invalid.
-            Raised before any process starts.
+        ValueError: ``nprocs``, ``start_method`` or ``grace_period`` is invalid,
+            or ``stdout``/``stderr`` is ``"capture"`` with ``join=True`` (nobody
+            could read the lines). Raised before any process starts.
         Exception: A rank could not be started (for example ``args`` that
             cannot be pickled); the ranks already started have been stopped
             and reaped, and a note names the rank.
@@ -176,6 +178,8 @@ async def start_processes(
         cancellation is re-raised, unchanged. A second cancellation does not
         cut that short. Nothing is left running.
     """
+    if join:
+        _refuse_unread_capture(options)
     ctx = await _start_group(fn, args, nprocs, daemon, start_method, options)
     if not join:
         return ctx
@@ -239,6 +243,19 @@ async def spawn(
     if start_method != "spawn":
         warn_spawn_only(start_method)
     return await start_processes(fn, args, nprocs, join, daemon, "spawn", **options)  # type: ignore[call-overload, no-any-return]
+
+
+def _refuse_unread_capture(options: GroupOptions) -> None:
+    # With join=True the caller never holds the context, so nobody could
+    # iterate ctx.output(): the lines would pile up unread.
+    modes = {"stdout": options.get("stdout"), "stderr": options.get("stderr")}
+    for stream, mode in modes.items():
+        if mode == "capture":
+            raise ValueError(
+                f"{stream}='capture' keeps lines for ctx.output(), which join=True gives"
+                " no way to iterate; use `async with aiospawn.open_group(...) as ctx`, or"
+                " start_processes(..., join=False), and iterate ctx.output()"
+            )
 
 
 def warn_spawn_only(start_method: str | None) -> None:

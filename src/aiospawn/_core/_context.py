@@ -30,6 +30,7 @@ restart keeps its due time, and a rank's watcher resumes where it stopped.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import time
@@ -210,17 +211,22 @@ class AsyncProcessContext(Generic[T]):
         newline. Lines of one rank and stream keep their order. Iteration ends
         once every rank has exited and its last lines were delivered. Lines are
         read while the group is supervised: iterate alongside ``join()``, in an
-        ``async with`` block, or around ``terminate()``. While
-        nobody iterates, up to 10,000 lines are held; beyond that the ranks
-        are held back (their writes block) until the consumer catches up.
+        ``async with`` block, or around ``terminate()``. Up to 10,000 lines
+        are held: while an iteration is attached, a rank that writes faster
+        than it reads is held back (its writes block) until it catches up;
+        while nobody iterates, the oldest lines are dropped instead, so a rank
+        never blocks for ever because nobody reads.
 
         Raises:
             RuntimeError: Neither ``stdout`` nor ``stderr`` is ``"capture"``.
         """
         if self._capture is None:
             raise RuntimeError('ctx.output() needs stdout="capture" or stderr="capture"')
-        async for line in self._capture.lines():
-            yield line
+        # Closed with this generator, so that a consumer that stops iterating
+        # detaches at once and no longer holds the ranks back.
+        async with contextlib.aclosing(self._capture.lines()) as lines:
+            async for line in lines:
+                yield line
 
     def events(self) -> AsyncGenerator[Event, None]:
         """Yield the group's lifecycle events, from its start, as they happen.

@@ -16,15 +16,20 @@ modes, and every stream with ``tee=True``, come through a pipe that the rank's
 watcher reads on the event loop (no thread, no polling): lines are split at
 ``MAX_LINE`` bytes, never dropped, and a rank that writes faster than a
 ``capture`` consumer reads is held back by its full pipe instead of growing
-memory without bound. What a rank wrote just before it exited is read before
-its exit is reported.
+memory without bound (while nobody iterates ``ctx.output()``, the oldest
+captured lines are dropped instead, see ``_core._capture``). What a rank wrote
+just before it exited is read before its exit is reported: exactly what the
+pipe holds at that moment, never more, since a process the rank left behind
+may hold the pipe open and write into it for ever.
 """
 
 from __future__ import annotations
 
 import collections
+import fcntl
 import os
 import sys
+import termios
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -86,10 +91,16 @@ class StreamReader:
             self._read(limit=1)
 
     def drain(self) -> None:
-        """After the rank exited: read what is left without waiting, then close."""
+        """After the rank exited: read what the pipe holds now, without waiting, then close.
+
+        Bounded by the pipe's contents when it is called: a descendant that
+        kept the write end open (``Popen(["yes"])``, then the rank returned)
+        would otherwise keep this loop reading, on the event loop, for as long
+        as it writes.
+        """
         if self._reader is None:
             return
-        self._read(limit=None)
+        self._read(limit=None, budget=_buffered(self._reader))
         if self._partial:
             self._emit(self._partial)
             self._partial = b""
@@ -102,19 +113,23 @@ class StreamReader:
             os.close(self._reader)
             self._reader = None
 
-    def _read(self, limit: int | None) -> None:
+    def _read(self, limit: int | None, budget: int | None = None) -> None:
         fd = self._reader
         assert fd is not None
         reads = 0
         while not self._eof and (limit is None or reads < limit):
+            if budget is not None and budget <= 0:
+                return
             try:
-                data = os.read(fd, _READ_CHUNK)
+                data = os.read(fd, _READ_CHUNK if budget is None else min(budget, _READ_CHUNK))
             except BlockingIOError:
                 return
             reads += 1
             if not data:
                 self._eof = True
                 return
+            if budget is not None:
+                budget -= len(data)
             self._split(data)
 
     def _split(self, data: bytes) -> None:
@@ -243,6 +258,15 @@ class RankOutput:
         for fd in self._log_fds:
             os.close(fd)
         self._log_fds.clear()
+
+
+def _buffered(fd: int) -> int:
+    """How many bytes the pipe ``fd`` holds (``FIONREAD``, pipe(7))."""
+    try:
+        answer = fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4)
+    except OSError:  # not a pipe after all: one chunk, as a bound
+        return _READ_CHUNK
+    return int.from_bytes(answer, sys.byteorder)
 
 
 def _make_log_dir(path: Path) -> None:
