@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+from multiprocessing.connection import Connection
 
 
 def write_lines(rank: int, count: int) -> int:
@@ -60,19 +61,26 @@ def leave_daemon(rank: int) -> int:
     return pid
 
 
-def report_escapees_then_wait(rank: int, report_path: str, how: str) -> None:
-    """Start an escapee (``how``: group, session, daemon), write its pid, then wait for ever.
+ESCAPES = {
+    "group": leave_child_in_group,
+    "session": leave_new_session_child,
+    "daemon": leave_daemon,
+}
 
-    The test SIGKILLs the supervisor meanwhile.
-    """
-    starters = {
-        "group": leave_child_in_group,
-        "session": leave_new_session_child,
-        "daemon": leave_daemon,
-    }
-    pid = starters[how](rank)
-    with open(report_path + ".tmp", "w") as report:
-        report.write(f"{os.getpid()} {pid}\n")
-    os.rename(report_path + ".tmp", report_path)
+
+def escape(rank: int, how: str) -> int:
+    """Leave an escapee behind (``how``: a key of :data:`ESCAPES`) and return its pid."""
+    return ESCAPES[how](rank)
+
+
+def escape_then_exit(rank: int, how: str, events: Connection) -> None:
+    """Leave an escapee, send its pid, then end by ``os._exit(0)`` (no Python exit at all)."""
+    events.send(ESCAPES[how](rank))
+    os._exit(0)
+
+
+def escape_then_wait(rank: int, how: str, events: Connection) -> None:
+    """Leave an escapee, send ``(rank pid, escapee pid)``, then wait to be stopped."""
+    events.send((os.getpid(), ESCAPES[how](rank)))
     while True:
         time.sleep(60)

@@ -26,6 +26,7 @@ from multiprocessing.process import BaseProcess
 import anyio
 
 from aiospawn._core._outcome import RankExit
+from aiospawn._rank import descendants
 from aiospawn._rank.wire import ChildEnd, FrameReader
 
 from ._output import RankOutput
@@ -144,11 +145,32 @@ class LocalRank:
         """Make progress without waiting: read what the rank sent, reap it if it exited."""
         if self._exit is None and self._started:
             self._read_available()
-            exit_code = self.process.exitcode
+            exit_code = self._reap()
             if exit_code is not None:
                 self._read_available()  # the end of the frame, written just before exit
                 self._finish(exit_code)
         return self._exit
+
+    def _reap(self) -> int | None:
+        """Reap the rank if it exited, after killing what is left of its process group."""
+        pid = self.process.pid
+        assert pid is not None
+        if self._exit_fd == self._pidfd:  # we reap the rank ourselves, not a fork server
+            try:
+                exited = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:  # reaped elsewhere already: exitcode knows
+                pass
+            else:
+                if exited is None:
+                    return None  # still running
+                # Exited, not yet reaped: its pid, and so its group id, cannot
+                # be reused yet. What it left in its group (it returned, called
+                # os._exit, exec'd, or was killed) dies with it. Under forkserver
+                # the server reaps the rank at once; there the rank's own sweep
+                # is all there is (see _rank.descendants).
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
+        return self.process.exitcode
 
     async def wait(self) -> RankExit:
         """Wait until the rank has exited and been reaped; return how it ended."""
@@ -180,6 +202,10 @@ class LocalRank:
         self._stopped_by_us = True
         pid = self.process.pid
         assert pid is not None
+        # The rank's descendants that left its group (setsid, a new session)
+        # are in its tree while it lives (it is their subreaper); pinned first,
+        # since once the rank dies of this signal they are re-parented away.
+        strays = descendants.pin_descendants(pid, outside_group=pid)
         try:
             # The rank leads its own process group (see _child), which holds
             # the children it started too. The group cannot belong to anyone
@@ -191,6 +217,7 @@ class LocalRank:
                     signal.pidfd_send_signal(self._pidfd, signum)
                 else:
                     os.kill(pid, signum)
+        descendants.signal_pinned(strays, signum)
         return True
 
     def last_beat(self) -> float | None:
