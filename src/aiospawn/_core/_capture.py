@@ -43,6 +43,7 @@ class CaptureBuffer:
         self._changed = anyio.Event()
         self._closed = False
         self._consumers = 0
+        self._waiters = 0  # tasks waiting on _changed
         self.dropped = 0
 
     @property
@@ -77,7 +78,7 @@ class CaptureBuffer:
     async def wait_for_room(self) -> None:
         """Wait while the buffer is full and a consumer is attached."""
         while self.full:
-            await self._changed.wait()
+            await self._wait_for_change()
 
     async def lines(self) -> AsyncGenerator[OutputLine, None]:
         """Yield lines as they come, until closed and drained."""
@@ -90,12 +91,22 @@ class CaptureBuffer:
                     yield line
                 if self._closed:
                     return
-                await self._changed.wait()
+                await self._wait_for_change()
         finally:
             # A consumer that stopped iterating must not keep the ranks held back.
             self._consumers -= 1
             self._notify()
 
+    async def _wait_for_change(self) -> None:
+        self._waiters += 1
+        try:
+            await self._changed.wait()
+        finally:
+            self._waiters -= 1
+
     def _notify(self) -> None:
-        self._changed.set()
-        self._changed = anyio.Event()
+        # Called for every line: a new Event costs microseconds (a backend
+        # lookup), which a rank writing short lines turns into a stalled loop.
+        if self._waiters:
+            self._changed.set()
+            self._changed = anyio.Event()

@@ -30,7 +30,7 @@ import fcntl
 import os
 import sys
 import termios
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -51,6 +51,9 @@ STDERR_TAIL_LINES = 20
 
 _READ_CHUNK = 64 * 1024
 
+#: Bytes read per wake-up while the rank runs.
+_STEP = 16 * 1024
+
 
 class StreamReader:
     """Reads one rank stream's pipe on the event loop and hands out its lines."""
@@ -61,10 +64,12 @@ class StreamReader:
         name: str,
         sinks: list[Callable[[bytes], None]],
         capture: CaptureBuffer | None,
+        flushes: Sequence[Callable[[], None]] = (),
     ) -> None:
         self.name = name
         self._reader: int | None = reader
         self._sinks = sinks
+        self._flushes = list(flushes)
         self._capture = capture
         self._partial = b""
         self._eof = False
@@ -88,7 +93,9 @@ class StreamReader:
                 return
             if self._reader is None:  # the exit was recorded as we woke up
                 return
-            self._read(limit=1)
+            # One small read per wake-up: each line costs the loop a few
+            # microseconds, and a rank writing short lines packs thousands in.
+            self._read(limit=1, budget=_STEP)
 
     def drain(self) -> None:
         """After the rank exited: read what the pipe holds now, without waiting, then close.
@@ -104,6 +111,7 @@ class StreamReader:
         if self._partial:
             self._emit(self._partial)
             self._partial = b""
+            self._flush()
         close_watched(self._reader)
         self._reader = None
 
@@ -131,6 +139,7 @@ class StreamReader:
             if budget is not None:
                 budget -= len(data)
             self._split(data)
+            self._flush()
 
     def _split(self, data: bytes) -> None:
         buffer = self._partial + data
@@ -146,6 +155,14 @@ class StreamReader:
             else:
                 break
         self._partial = buffer[start:]
+
+    def _flush(self) -> None:
+        for flush in self._flushes:
+            try:
+                flush()
+            except OSError as exc:
+                self._flushes.remove(flush)
+                logger.warning("Stopped flushing a rank's %s: %s", self.name, exc)
 
     def _emit(self, line: bytes) -> None:
         for sink in list(self._sinks):
@@ -200,16 +217,19 @@ class RankOutput:
                 self._child_ends.append(writer)
                 self.targets[name] = writer
                 sinks: list[Callable[[bytes], None]] = []
+                flushes: list[Callable[[], None]] = []
                 if log is not None:
                     self._log_fds.append(_open_log(log))
                     sinks.append(_file_writer(self._log_fds[-1]))
                 if mode == "prefix" or log is not None:
-                    sinks.append(self._prefixed_writer(name))
+                    write, flush = self._prefixed_writer(name)
+                    sinks.append(write)
+                    flushes.append(flush)
                 if mode == "capture":
                     assert capture is not None
                     sinks.append(_capturer(capture, rank, name))
                 held_back_by = capture if mode == "capture" else None
-                self.streams.append(StreamReader(reader, name, sinks, held_back_by))
+                self.streams.append(StreamReader(reader, name, sinks, held_back_by, flushes))
 
     def started(self, pid: int) -> None:
         """Close our copies of the rank's ends, once the rank (``pid``) has its own."""
@@ -244,15 +264,15 @@ class RankOutput:
                 return tuple(stream.tail)
         return ()
 
-    def _prefixed_writer(self, name: str) -> Callable[[bytes], None]:
+    def _prefixed_writer(self, name: str) -> tuple[Callable[[bytes], None], Callable[[], None]]:
         stream: Any = sys.stdout if name == "stdout" else sys.stderr
         target: BinaryIO = stream.buffer if hasattr(stream, "buffer") else stream
 
         def write(line: bytes) -> None:
             target.write(self._prefix + line + b"\n")
-            target.flush()
 
-        return write
+        # Flushed once per read, not per line: a flush is a system call.
+        return write, target.flush
 
     def _close_logs(self) -> None:
         for fd in self._log_fds:
