@@ -73,9 +73,15 @@ def escape(rank: int, how: str) -> int:
     return ESCAPES[how](rank)
 
 
-def escape_then_exit(rank: int, how: str, events: Connection) -> None:
-    """Leave an escapee, send its pid, then end by ``os._exit(0)`` (no Python exit at all)."""
+def escape_then_end(rank: int, how: str, end: str, events: Connection) -> None:
+    """Leave an escapee, send its pid, then end without the rank's own exit path.
+
+    ``end``: ``"os._exit"`` (no Python exit at all) or ``"execv"`` (the
+    process becomes ``sh -c 'exit 0'``, and nothing of the bootstrap is left).
+    """
     events.send(ESCAPES[how](rank))
+    if end == "execv":
+        os.execv("/bin/sh", ["sh", "-c", "exit 0"])
     os._exit(0)
 
 
