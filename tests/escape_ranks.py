@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -37,6 +38,22 @@ def leave_new_session_child(rank: int) -> int:
     return subprocess.Popen(_sleeper(), start_new_session=True).pid
 
 
+def _ignore_sigterm() -> None:
+    # Between fork and exec: the ignored disposition survives exec, so the
+    # child ignores SIGTERM from its first instruction.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def leave_child_in_group_ignoring_sigterm(rank: int) -> int:
+    """Start a child in the rank's process group that ignores SIGTERM; return its pid."""
+    return subprocess.Popen(_sleeper(), preexec_fn=_ignore_sigterm).pid
+
+
+def leave_new_session_child_ignoring_sigterm(rank: int) -> int:
+    """Start a child in a session of its own that ignores SIGTERM; return its pid."""
+    return subprocess.Popen(_sleeper(), start_new_session=True, preexec_fn=_ignore_sigterm).pid
+
+
 def leave_daemon(rank: int) -> int:
     """Daemonise a grandchild the classic way (fork, setsid, fork); return its pid.
 
@@ -61,9 +78,12 @@ def leave_daemon(rank: int) -> int:
     return pid
 
 
+#: Escape routes by name; those named "group..." stay in the rank's process group.
 ESCAPES = {
     "group": leave_child_in_group,
+    "group-ignoring-sigterm": leave_child_in_group_ignoring_sigterm,
     "session": leave_new_session_child,
+    "session-ignoring-sigterm": leave_new_session_child_ignoring_sigterm,
     "daemon": leave_daemon,
 }
 

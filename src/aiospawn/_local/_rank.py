@@ -80,6 +80,9 @@ class LocalRank:
         self._exit_fd = -1
         self._started = False
         self._stopped_by_us = False
+        # Pidfds of the rank's descendants when we last signalled it: killed
+        # when the rank exits, should they outlive it.
+        self._strays: list[int] = []
         self._exit: RankExit | None = None
         self._watcher_done: anyio.Event | None = None
 
@@ -170,7 +173,16 @@ class LocalRank:
                 # is all there is (see _rank.descendants).
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(pid, signal.SIGKILL)
-        return self.process.exitcode
+        exit_code = self.process.exitcode
+        if exit_code is not None:
+            # And the descendants our signal reached while it ran (a SIGTERM
+            # they ignored while the rank died of it), in its group or not.
+            # Pidfds: safe under forkserver too, where the rank's pid, so its
+            # group id, may be reused by now.
+            descendants.signal_pinned(self._strays, signal.SIGKILL)
+            descendants.close_pinned(self._strays)
+            self._strays = []
+        return exit_code
 
     async def wait(self) -> RankExit:
         """Wait until the rank has exited and been reaped; return how it ended."""
@@ -205,7 +217,7 @@ class LocalRank:
         # The rank's descendants that left its group (setsid, a new session)
         # are in its tree while it lives (it is their subreaper); pinned first,
         # since once the rank dies of this signal they are re-parented away.
-        strays = descendants.pin_descendants(pid, outside_group=pid)
+        outside, inside = descendants.pin_descendants(pid, group=pid)
         try:
             # The rank leads its own process group (see _child), which holds
             # the children it started too. The group cannot belong to anyone
@@ -217,7 +229,9 @@ class LocalRank:
                     signal.pidfd_send_signal(self._pidfd, signum)
                 else:
                     os.kill(pid, signum)
-        descendants.signal_pinned(strays, signum)
+        descendants.signal_pinned(outside, signum)  # killpg reached the others
+        descendants.close_pinned(self._strays)
+        self._strays = outside + inside
         return True
 
     def last_beat(self) -> float | None:
@@ -299,6 +313,8 @@ class LocalRank:
             stopped_by_us=self._stopped_by_us,
             stderr_tail=self._output.stderr_tail(),
         )
+        descendants.close_pinned(self._strays)
+        self._strays = []
         for fd in (self._reader, self._pidfd):
             if fd is not None:
                 close_watched(fd)

@@ -62,31 +62,38 @@ def descendants(root: int) -> list[int]:
     return found
 
 
-def pin_descendants(root: int, *, outside_group: int) -> list[int]:
-    """Pidfds of ``root``'s live descendants that left the process group ``outside_group``.
+def pin_descendants(root: int, *, group: int) -> tuple[list[int], list[int]]:
+    """Pidfds of ``root``'s live descendants: ``(outside, inside)`` the process group ``group``.
 
     Taken before ``root`` is signalled: once it dies, its children are
-    re-parented and no longer show as its descendants. Close them with
-    :func:`signal_pinned`.
+    re-parented and no longer show as its descendants. Signal them with
+    :func:`signal_pinned`; close them with :func:`close_pinned`.
     """
     tree = descendants(root)
     members = {root, *tree}
-    pinned = []
+    outside: list[int] = []
+    inside: list[int] = []
     for pid in tree:
-        with contextlib.suppress(OSError):
-            if os.getpgid(pid) == outside_group:
-                continue  # reached by killpg
+        try:
+            in_group = os.getpgid(pid) == group
+        except OSError:
+            continue  # gone
         fd = _pin(pid, members)
         if fd is not None:
-            pinned.append(fd)
-    return pinned
+            (inside if in_group else outside).append(fd)
+    return outside, inside
 
 
 def signal_pinned(pidfds: list[int], signum: int) -> None:
-    """Send ``signum`` to each process of :func:`pin_descendants`, and close the pidfds."""
+    """Send ``signum`` to each process pinned by :func:`pin_descendants`."""
     for fd in pidfds:
         with contextlib.suppress(ProcessLookupError):
             signal.pidfd_send_signal(fd, signum)
+
+
+def close_pinned(pidfds: list[int]) -> None:
+    """Close the pidfds of :func:`pin_descendants`."""
+    for fd in pidfds:
         os.close(fd)
 
 
