@@ -239,12 +239,15 @@ def watch_fork_grandchild(rank: int, events: Any, supervisor: int, outcome: str)
 
     The grandchild sends nothing; it ends after 30 s, when ``supervisor`` (the
     test process) is gone, or when the test kills it. The rank sends its pid.
+    It leaves the rank's process group and session, which ``os._exit`` then
+    leaves running (a returning rank kills it before it reports).
     """
     import select
 
     grandchild = os.fork()
     if grandchild == 0:
         try:
+            os.setsid()
             poller = select.poll()
             poller.register(os.pidfd_open(supervisor), select.POLLIN)
             poller.poll(30_000)

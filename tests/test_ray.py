@@ -8,12 +8,14 @@ worker process must be gone from the machine.
 
 Ray's HTTP state API (``ray.util.state``) needs the dashboard and
 ``ray[default]``; the same facts come from the control service directly:
-``ray.util.list_named_actors`` (every actor aiospawn makes is named
-``aiospawn-...``) and ``ray.util.placement_group_table``.
+its actor table (``ray._private.state.actors``: aiospawn's actors are
+anonymous, so other jobs cannot look them up, and are found by class) and
+``ray.util.placement_group_table``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import subprocess
 import sys
@@ -34,6 +36,7 @@ from tests.helpers import tripwire, wait_until
 
 ray = pytest.importorskip("ray")
 
+from aiospawn._core._context import group_of  # noqa: E402
 from aiospawn._core._env import free_port  # noqa: E402
 from aiospawn.ray import RayBackend  # noqa: E402  (after the skip: needs ray)
 from tests.ray_cluster import LocalCluster  # noqa: E402
@@ -75,13 +78,24 @@ def ray_cluster() -> Iterator[LocalCluster]:
         cluster.stop()
 
 
+#: The classes of the actors aiospawn makes.
+OUR_ACTORS = ("RankActor", "SignalBoard")
+
+
+def our_actors() -> list[str]:
+    """``Class:id`` of our actors that Ray does not yet show as dead."""
+    from ray._private import state
+
+    return sorted(
+        f"{info['ActorClassName']}:{actor_id[:8]}"
+        for actor_id, info in state.actors().items()
+        if info["ActorClassName"].rpartition(".")[2] in OUR_ACTORS and info["State"] != "DEAD"
+    )
+
+
 def ours_alive() -> tuple[list[str], list[str]]:
     """Our actors and placement groups that Ray does not yet show as gone."""
-    actors = [
-        entry["name"]
-        for entry in ray.util.list_named_actors(all_namespaces=True)
-        if entry["name"].startswith("aiospawn-")
-    ]
+    actors = our_actors()
     groups = [
         info["name"]
         for info in ray.util.placement_group_table().values()
@@ -370,7 +384,9 @@ def test_output_other_than_inherit_is_refused(ray_cluster: LocalCluster) -> None
     backend = RayBackend(address=ray_cluster.address)
     with pytest.raises(ValueError, match="inherit"):
         anyio.run(
-            lambda: aiospawn.spawn(ray_ranks.square, nprocs=1, backend=backend, stdout="capture")
+            lambda: aiospawn.start_processes(
+                ray_ranks.square, nprocs=1, join=False, backend=backend, stdout="capture"
+            )
         )
 
 
@@ -521,3 +537,73 @@ def test_devices_per_rank_is_each_ranks_gpus() -> None:
             local_devices=False,
             devices=[0, 1],
         )
+
+
+async def test_other_jobs_can_neither_find_nor_signal_our_ranks(cluster: LocalCluster) -> None:
+    ctx = await start_ready(ray_ranks.sleep_forever, 2, backend_for(cluster), grace_period=1)
+    pids = ctx.pids()
+    try:
+        # Running: two rank actors and the board exist, and none has a name.
+        assert [name.partition(":")[0] for name in our_actors()] == [
+            "RankActor",
+            "RankActor",
+            "SignalBoard",
+        ]
+        named = ray.util.list_named_actors(all_namespaces=True)
+        assert not [entry for entry in named if entry["name"].startswith("aiospawn-")], named
+        # The handle a caller could only get from the supervisor itself.
+        launcher: Any = group_of(ctx)._launcher
+        board, token = launcher._board, launcher._token
+        with pytest.raises(PermissionError, match="token"):
+            await anyio.to_thread.run_sync(
+                ray.get, board.send.remote("0" * 32, "0.0", signal.SIGTERM)
+            )
+        with pytest.raises(PermissionError, match="token"):
+            await anyio.to_thread.run_sync(ray.get, board.next_signal.remote("", "0.0"))
+        for refused in (signal.SIGKILL, signal.SIGSTOP, signal.SIGINT):
+            with pytest.raises(ValueError, match="carries"):
+                await anyio.to_thread.run_sync(ray.get, board.send.remote(token, "0.0", refused))
+        assert await ctx.join(timeout=0) is False  # nothing refused reached a rank
+    finally:
+        with tripwire(60, "terminate() after refused signal requests"):
+            await ctx.terminate()
+    # Ended by our SIGTERM: a SIGKILL or SIGSTOP let through would show instead.
+    with pytest.raises(ProcessExitedException) as info:
+        await ctx.join()
+    assert info.value.signal_name == "SIGTERM"
+    assert_gone(pids)
+
+
+def test_the_board_refuses_foreign_tokens_and_signals_and_prunes_its_queues(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The board's own logic, without a cluster (it is a plain asyncio class).
+    from aiospawn.ray import _actor
+
+    monkeypatch.setattr(_actor, "SIGNAL_WAIT", 0.01)
+
+    async def scenario() -> None:
+        board = _actor.SignalBoard("secret")
+        for call in (
+            board.send("wrong", "0.0", signal.SIGTERM),
+            board.next_signal("wrong", "0.0"),
+            board.forget("wrong", "0.0"),
+            board.keys("wrong"),
+        ):
+            with pytest.raises(PermissionError):
+                await call
+        for refused in (signal.SIGKILL, signal.SIGSTOP, signal.SIGUSR1, 0):
+            with pytest.raises(ValueError, match="carries"):
+                await board.send("secret", "0.0", refused)
+        # Taken: nothing left. Timed out: nothing left.
+        await board.send("secret", "0.0", signal.SIGTERM)
+        assert await board.next_signal("secret", "0.0") == signal.SIGTERM
+        assert await board.next_signal("secret", "1.0") == 0
+        assert await board.keys("secret") == []
+        # Sent to an attempt that ended before taking it: dropped once forgotten.
+        await board.send("secret", "2.0", signal.SIGTERM)
+        assert await board.keys("secret") == ["2.0"]
+        await board.forget("secret", "2.0")
+        assert await board.keys("secret") == []
+
+    asyncio.run(scenario())

@@ -59,7 +59,8 @@ class GroupOptions(TypedDict, total=False):
         stdout: Where each rank's stdout goes: ``"inherit"`` (the default;
             under ipykernel ``"prefix"``, so that the lines appear in the cell
             that started the group), ``"prefix"`` (the supervisor's
-            ``sys.stdout``, each line behind ``prefix``), ``"capture"`` (kept for ``ctx.output()``),
+            ``sys.stdout``, each line behind ``prefix``), ``"capture"`` (kept for
+            ``ctx.output()``, so only with ``open_group`` or ``join=False``),
             ``"devnull"``, or a directory path (one file per rank,
             ``rank{N}.stdout``, owner-only, never deleted); or a callable
             ``rank -> mode`` for a mode per rank.
@@ -186,8 +187,9 @@ async def start_processes(
             any process starts.
         ValueError: ``nprocs``, ``start_method``, ``grace_period`` or an
             output option is invalid, or the devices asked for do not fit
-            (``devices_per_rank`` times ``nprocs`` is more than ``devices``).
-            Raised before any process starts.
+            (``devices_per_rank`` times ``nprocs`` is more than ``devices``), or
+            ``stdout``/``stderr`` is ``"capture"`` with ``join=True`` (nobody
+            could read the lines). Raised before any process starts.
         Exception: A rank could not be started (for example ``args`` that
             cannot be pickled); the ranks already started have been stopped
             and reaped, and a note names the rank.
@@ -199,7 +201,9 @@ async def start_processes(
         cut that short. Nothing is left running.
     """
     with signals_wake_the_loop():  # a notebook's stop button cancels this call
-        ctx = await _start_group(fn, args, nprocs, daemon, start_method, options)
+        ctx = await _start_group(
+            fn, args, nprocs, daemon, start_method, options, refuse_capture=join
+        )
         if not join:
             return ctx
         await ctx.join()
@@ -337,6 +341,8 @@ async def _start_group(
     daemon: bool,
     start_method: str | None,
     options: GroupOptions,
+    *,
+    refuse_capture: bool = False,
 ) -> AsyncProcessContext[Any]:
     unknown = set(options) - set(GroupOptions.__annotations__)
     if unknown:
@@ -376,4 +382,12 @@ async def _start_group(
         # Elsewhere devices are the node's, which the backend hands out (Ray: num_gpus).
         local_devices=isinstance(backend, LocalBackend),
     )
+    if refuse_capture and spec.output.captures:
+        # With join=True the caller never holds the context, so nobody could
+        # iterate ctx.output(): the lines would pile up unread.
+        raise ValueError(
+            "stdout or stderr 'capture' keeps lines for ctx.output(), which join=True gives"
+            " no way to iterate; use `async with aiospawn.open_group(...) as ctx`, or"
+            " start_processes(..., join=False), and iterate ctx.output()"
+        )
     return await AsyncProcessContext._start(spec, supervision, backend)

@@ -68,20 +68,29 @@ class Broadcast:
     An ``anyio.Event`` can be set only once, so each notification sets the
     current one and puts a fresh one in its place. A waiter checks its
     condition, then waits, with no checkpoint in between, so no notification
-    can fall between the two.
+    can fall between the two. With nobody waiting a notification does nothing:
+    some are made for every line a rank writes, and a new ``anyio.Event``
+    costs microseconds (a backend lookup), which short lines turn into a
+    stalled loop.
     """
 
     def __init__(self) -> None:
         self._event = anyio.Event()
+        self._waiters = 0
 
     def notify(self) -> None:
         """Wake the tasks waiting now; later waiters wait for the next call."""
-        self._event.set()
-        self._event = anyio.Event()
+        if self._waiters:
+            self._event.set()
+            self._event = anyio.Event()
 
     async def wait(self) -> None:
         """Wait for the next :meth:`notify`."""
-        await self._event.wait()
+        self._waiters += 1
+        try:
+            await self._event.wait()
+        finally:
+            self._waiters -= 1
 
 
 class SingleWatcher:

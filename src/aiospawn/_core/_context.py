@@ -9,6 +9,7 @@ as ``ProcessPoolExecutor`` sits in front of its manager thread in CPython's
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator
 from types import TracebackType
 from typing import Any, Generic, Self, TypeVar, final
@@ -85,9 +86,11 @@ class AsyncProcessContext(Generic[T]):
         newline. Lines of one rank and stream keep their order. Iteration ends
         once every rank has exited and its last lines were delivered. Lines are
         read while the group is supervised: iterate alongside ``join()``, in an
-        ``async with`` block, or around ``terminate()``. While
-        nobody iterates, up to 10,000 lines are held; beyond that the ranks
-        are held back (their writes block) until the consumer catches up.
+        ``async with`` block, or around ``terminate()``. Up to 10,000 lines
+        are held: while an iteration is attached, a rank that writes faster
+        than it reads is held back (its writes block) until it catches up;
+        while nobody iterates, the oldest lines are dropped instead, so a rank
+        never blocks for ever because nobody reads.
 
         Raises:
             RuntimeError: Neither ``stdout`` nor ``stderr`` is ``"capture"``.
@@ -95,8 +98,11 @@ class AsyncProcessContext(Generic[T]):
         capture = self._group.capture
         if capture is None:
             raise RuntimeError('ctx.output() needs stdout="capture" or stderr="capture"')
-        async for line in capture.lines():
-            yield line
+        # Closed with this generator, so that a consumer that stops iterating
+        # detaches at once and no longer holds the ranks back.
+        async with contextlib.aclosing(capture.lines()) as lines:
+            async for line in lines:
+                yield line
 
     def events(self) -> AsyncGenerator[Event, None]:
         """Yield the group's lifecycle events, from its start, as they happen.

@@ -17,8 +17,11 @@ modes, and every stream with ``tee=True``, come through a pipe that the rank's
 watcher reads on the event loop (no thread, no polling): lines are split at
 ``MAX_LINE`` bytes, never dropped, and a rank that writes faster than a
 ``capture`` consumer reads is held back by its full pipe instead of growing
-memory without bound. What a rank wrote just before it exited is read before
-its exit is reported.
+memory without bound (while nobody iterates ``ctx.output()``, the oldest
+captured lines are dropped instead, see ``_core._capture``). What a rank wrote
+just before it exited is read before its exit is reported: exactly what the
+pipe holds at that moment, never more, since a process the rank left behind
+may hold the pipe open and write into it for ever.
 
 Prefixed lines go to the ``sys.stdout`` or ``sys.stderr`` in force when the
 rank was made, binary or text (a notebook's stream is text only), and are
@@ -32,9 +35,11 @@ from __future__ import annotations
 
 import collections
 import contextvars
+import fcntl
 import os
 import sys
-from collections.abc import Callable
+import termios
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -55,6 +60,9 @@ STDERR_TAIL_LINES = 20
 
 _READ_CHUNK = 64 * 1024
 
+#: Bytes read per wake-up while the rank runs.
+_STEP = 16 * 1024
+
 
 class StreamReader:
     """Reads one rank stream's pipe on the event loop and hands out its lines."""
@@ -65,10 +73,12 @@ class StreamReader:
         name: str,
         sinks: list[Callable[[bytes], None]],
         capture: CaptureBuffer | None,
+        flushes: Sequence[Callable[[], None]] = (),
     ) -> None:
         self.name = name
         self._reader: int | None = reader
         self._sinks = sinks
+        self._flushes = list(flushes)
         self._capture = capture
         self._partial = b""
         self._eof = False
@@ -92,16 +102,25 @@ class StreamReader:
                 return
             if self._reader is None:  # the exit was recorded as we woke up
                 return
-            self._read(limit=1)
+            # One small read per wake-up: each line costs the loop a few
+            # microseconds, and a rank writing short lines packs thousands in.
+            self._read(limit=1, budget=_STEP)
 
     def drain(self) -> None:
-        """After the rank exited: read what is left without waiting, then close."""
+        """After the rank exited: read what the pipe holds now, without waiting, then close.
+
+        Bounded by the pipe's contents when it is called: a descendant that
+        kept the write end open (``Popen(["yes"])``, then the rank returned)
+        would otherwise keep this loop reading, on the event loop, for as long
+        as it writes.
+        """
         if self._reader is None:
             return
-        self._read(limit=None)
+        self._read(limit=None, budget=_buffered(self._reader))
         if self._partial:
             self._emit(self._partial)
             self._partial = b""
+            self._flush()
         close_watched(self._reader)
         self._reader = None
 
@@ -111,20 +130,25 @@ class StreamReader:
             os.close(self._reader)
             self._reader = None
 
-    def _read(self, limit: int | None) -> None:
+    def _read(self, limit: int | None, budget: int | None = None) -> None:
         fd = self._reader
         assert fd is not None
         reads = 0
         while not self._eof and (limit is None or reads < limit):
+            if budget is not None and budget <= 0:
+                return
             try:
-                data = os.read(fd, _READ_CHUNK)
+                data = os.read(fd, _READ_CHUNK if budget is None else min(budget, _READ_CHUNK))
             except BlockingIOError:
                 return
             reads += 1
             if not data:
                 self._eof = True
                 return
+            if budget is not None:
+                budget -= len(data)
             self._split(data)
+            self._flush()
 
     def _split(self, data: bytes) -> None:
         buffer = self._partial + data
@@ -140,6 +164,14 @@ class StreamReader:
             else:
                 break
         self._partial = buffer[start:]
+
+    def _flush(self) -> None:
+        for flush in self._flushes:
+            try:
+                flush()
+            except OSError as exc:
+                self._flushes.remove(flush)
+                logger.warning("Stopped flushing a rank's %s: %s", self.name, exc)
 
     def _emit(self, line: bytes) -> None:
         for sink in list(self._sinks):
@@ -195,16 +227,19 @@ class RankOutput:
                 self._child_ends.append(writer)
                 self.targets[name] = writer
                 sinks: list[Callable[[bytes], None]] = []
+                flushes: list[Callable[[], None]] = []
                 if log is not None:
                     self._log_fds.append(_open_log(log))
                     sinks.append(_file_writer(self._log_fds[-1]))
                 if mode == "prefix" or log is not None:
-                    sinks.append(self._prefixed_writer(name))
+                    write, flush = self._prefixed_writer(name)
+                    sinks.append(write)
+                    flushes.append(flush)
                 if mode == "capture":
                     assert capture is not None
                     sinks.append(_capturer(capture, rank, name))
                 held_back_by = capture if mode == "capture" else None
-                self.streams.append(StreamReader(reader, name, sinks, held_back_by))
+                self.streams.append(StreamReader(reader, name, sinks, held_back_by, flushes))
 
     def started(self, pid: int) -> None:
         """Close our copies of the rank's ends, once the rank (``pid``) has its own."""
@@ -239,7 +274,7 @@ class RankOutput:
                 return tuple(stream.tail)
         return ()
 
-    def _prefixed_writer(self, name: str) -> Callable[[bytes], None]:
+    def _prefixed_writer(self, name: str) -> tuple[Callable[[bytes], None], Callable[[], None]]:
         stream: Any = sys.stdout if name == "stdout" else sys.stderr
         binary: BinaryIO | None = getattr(stream, "buffer", None)
         context = contextvars.copy_context()
@@ -247,23 +282,35 @@ class RankOutput:
         def write_binary(line: bytes) -> None:
             assert binary is not None
             binary.write(self._prefix + line + b"\n")
-            binary.flush()
 
         def write_text(line: bytes) -> None:
             stream.write((self._prefix + line).decode(errors="replace") + "\n")
-            stream.flush()
 
         write = write_binary if binary is not None else write_text
+        target: Any = binary if binary is not None else stream
 
         def write_in_context(line: bytes) -> None:
             context.run(write, line)
 
-        return write_in_context
+        def flush_in_context() -> None:
+            # Once per read, not per line: a flush is a system call.
+            context.run(target.flush)
+
+        return write_in_context, flush_in_context
 
     def _close_logs(self) -> None:
         for fd in self._log_fds:
             os.close(fd)
         self._log_fds.clear()
+
+
+def _buffered(fd: int) -> int:
+    """How many bytes the pipe ``fd`` holds (``FIONREAD``, pipe(7))."""
+    try:
+        answer = fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4)
+    except OSError:  # not a pipe after all: one chunk, as a bound
+        return _READ_CHUNK
+    return int.from_bytes(answer, sys.byteorder)
 
 
 def _make_log_dir(path: Path) -> None:

@@ -27,6 +27,7 @@ import anyio
 from aiospawn._core._backend import OnExit
 from aiospawn._core._concurrency import SingleWatcher
 from aiospawn._core._outcome import RankExit
+from aiospawn._rank import descendants
 from aiospawn._rank.wire import ChildEnd, FrameReader
 
 from ._output import RankOutput
@@ -80,6 +81,9 @@ class LocalRank:
         self._exit_fd = -1
         self._started = False
         self._stopped_by_us = False
+        # Pidfds of the rank's descendants when we last signalled it: killed
+        # when the rank exits, should they outlive it.
+        self._strays: list[int] = []
         self._exit: RankExit | None = None
         self._watcher = SingleWatcher()
 
@@ -145,11 +149,41 @@ class LocalRank:
         """Make progress without waiting: read what the rank sent, reap it if it exited."""
         if self._exit is None and self._started:
             self._read_available()
-            exit_code = self.process.exitcode
+            exit_code = self._reap()
             if exit_code is not None:
                 self._read_available()  # the end of the frame, written just before exit
                 self._finish(exit_code)
         return self._exit
+
+    def _reap(self) -> int | None:
+        """Reap the rank if it exited, after killing what is left of its process group."""
+        pid = self.process.pid
+        assert pid is not None
+        if self._exit_fd == self._pidfd:  # we reap the rank ourselves, not a fork server
+            try:
+                exited = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:  # reaped elsewhere already: exitcode knows
+                pass
+            else:
+                if exited is None:
+                    return None  # still running
+                # Exited, not yet reaped: its pid, and so its group id, cannot
+                # be reused yet. What it left in its group (it returned, called
+                # os._exit, exec'd, or was killed) dies with it. Under forkserver
+                # the server reaps the rank at once; there the rank's own sweep
+                # is all there is (see _rank.descendants).
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
+        exit_code = self.process.exitcode
+        if exit_code is not None:
+            # And the descendants our signal reached while it ran (a SIGTERM
+            # they ignored while the rank died of it), in its group or not.
+            # Pidfds: safe under forkserver too, where the rank's pid, so its
+            # group id, may be reused by now.
+            descendants.signal_pinned(self._strays, signal.SIGKILL)
+            descendants.close_pinned(self._strays)
+            self._strays = []
+        return exit_code
 
     async def wait(self) -> RankExit:
         """Wait until the rank has exited and been reaped; return how it ended."""
@@ -173,6 +207,10 @@ class LocalRank:
         self._stopped_by_us = True
         pid = self.process.pid
         assert pid is not None
+        # The rank's descendants that left its group (setsid, a new session)
+        # are in its tree while it lives (it is their subreaper); pinned first,
+        # since once the rank dies of this signal they are re-parented away.
+        outside, inside = descendants.pin_descendants(pid, group=pid)
         try:
             # The rank leads its own process group (see _child), which holds
             # the children it started too. The group cannot belong to anyone
@@ -184,6 +222,9 @@ class LocalRank:
                     signal.pidfd_send_signal(self._pidfd, signum)
                 else:
                     os.kill(pid, signum)
+        descendants.signal_pinned(outside, signum)  # killpg reached the others
+        descendants.close_pinned(self._strays)
+        self._strays = outside + inside
         return True
 
     def last_beat(self) -> float | None:
@@ -265,6 +306,8 @@ class LocalRank:
             stopped_by_us=self._stopped_by_us,
             stderr_tail=self._output.stderr_tail(),
         )
+        descendants.close_pinned(self._strays)
+        self._strays = []
         for fd in (self._reader, self._pidfd):
             if fd is not None:
                 close_watched(fd)

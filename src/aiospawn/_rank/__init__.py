@@ -14,4 +14,7 @@ clean interpreter.
 - ``wire``: what a rank and its supervisor agree on (the outcome frame, its
   encoders, shared constants).
 - ``programs``: the rank functions behind ``aiospawn run``.
+- ``descendants``: the processes a rank started, wherever they went: found
+  through ``/proc`` and killed when the rank ends (the supervisor uses it to
+  signal them too).
 """

@@ -12,11 +12,17 @@ runs, the rank
    supervising process is gone, however it died. It waits on a pidfd of the
    supervising *process*, unlike ``PR_SET_PDEATHSIG``, which fires when the
    thread that forked the rank exits (prctl(2)) and so cannot be used from
-   worker threads that retire.
+   worker threads that retire;
+4. becomes the subreaper of its descendants (see ``descendants``), so that a
+   process it starts stays in its tree even after leaving its process group
+   or session, or being orphaned by a double fork.
 
 Then, for a ``fn`` sent by value, the rank unpickles it and ``args`` (see
-:func:`unpickle_in_rank`), ``fn`` runs, and its outcome is sent back as one
-frame (see ``wire``).
+:func:`unpickle_in_rank`), and ``fn`` runs. When it ends (returns, raises or
+calls ``sys.exit()``), every process it started that still runs is SIGKILLed,
+wherever it went, and only then is its outcome sent back as one frame (see
+``wire``): a rank's leftover processes end with the rank. (When the supervisor
+dies, the guard kills them too.)
 The exit-code contract, row by row:
 
 =====================================  ================  ==========================
@@ -53,7 +59,7 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from . import api
+from . import api, descendants
 from .wire import (
     BEAT_BYTES,
     STACK_SIGNAL,
@@ -203,6 +209,7 @@ def run_rank(
         setup: The rank's surroundings.
     """
     _become_group_leader()
+    descendants.become_subreaper()
     _restore_default_signals()
     _guard_supervisor(setup.supervisor_pid, setup.supervisor_is_parent)
     if setup.env:  # a fork start has not set them yet
@@ -220,17 +227,29 @@ def run_rank(
         value = fn(rank, *args)
     except SystemExit as exc:
         kind, payload, code = encode_exit(exc)
-        _send(fd, kind, payload)
+        _report(fd, kind, payload)
         if code:
             raise  # multiprocessing turns it into the exit code (and prints a text code)
         return
     except BaseException as exc:
-        _send(fd, Kind.RAISED, encode_exception(from_fn(exc)))
+        _report(fd, Kind.RAISED, encode_exception(from_fn(exc)))
         raise SystemExit(1) from None
     kind, payload, code = encode_value(value)
-    _send(fd, kind, payload)
+    _report(fd, kind, payload)
     if code:
         raise SystemExit(code) from None
+
+
+#: Seconds a rank waits, once ``fn`` ended, for its leftover processes to die
+#: of SIGKILL (only one stuck in the kernel takes that long).
+LEFTOVER_PATIENCE = 5.0
+
+
+def _report(fd: int, kind: int, payload: bytes) -> None:
+    # Leftovers first: once the supervisor has the outcome, the rank's
+    # processes are gone, even those that left its process group.
+    descendants.kill_descendants(os.getpid(), LEFTOVER_PATIENCE)
+    _send(fd, kind, payload)
 
 
 def _watch_progress(heartbeat: ChildEnd, stacks: ChildEnd) -> None:
@@ -346,8 +365,11 @@ def _exists(pid: int) -> bool:
 
 
 def _kill_own_group() -> None:
-    # The process group holds this rank and the children it started (unless
-    # they moved out); a rank that is not a group leader only kills itself.
+    # The process group holds this rank and the children it started, unless
+    # they moved out; those that did are still descendants of this subreaper.
+    # A rank that is not a group leader kills only its descendants and itself.
+    with contextlib.suppress(OSError):
+        descendants.kill_descendants(os.getpid(), patience=1.0)
     if os.getpgid(0) == os.getpid():
         os.killpg(0, signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)

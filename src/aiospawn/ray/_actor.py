@@ -13,6 +13,13 @@ the user's) handler runs as it would locally. ``SIGKILL`` never goes through
 the board: the supervisor uses ``ray.kill``. Ray kills an actor whose owner
 (the supervising process) dies, which is the cluster's parent-death guard.
 
+Ray has no authentication (any client of the cluster can run code on every
+node), so the board guards against mistakes and casual reach, not a hostile
+cluster: neither it nor the rank actors are named, so other jobs cannot list
+or look them up; every call carries the group's random token; and only the
+signals the supervisor sends (:data:`BOARD_SIGNALS`) are accepted, by the
+board and again by the rank.
+
 The outcome of ``fn`` is the same ``(kind, payload)`` frame a local rank
 sends (see ``aiospawn._rank.wire``), so the supervisor builds the same exceptions from it.
 
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import os
 import pickle
 import signal
@@ -70,6 +78,7 @@ class RankActor:
         env: Mapping[str, str],
         restart: int,
         board: Any,
+        token: str,
     ) -> Outcome:
         """Run the rank's ``fn`` on this (main) thread and return its outcome.
 
@@ -82,6 +91,7 @@ class RankActor:
             env: Variables to set first.
             restart: The attempt's restart count.
             board: The group's :class:`SignalBoard`.
+            token: The group's token, which the board asks of every call.
         """
         from aiospawn._rank import api
 
@@ -92,7 +102,7 @@ class RankActor:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         threading.Thread(
             target=self._take_signals,
-            args=(board, f"{rank}.{restart}"),
+            args=(board, token, f"{rank}.{restart}"),
             name="aiospawn-signals",
             daemon=True,
         ).start()
@@ -107,17 +117,23 @@ class RankActor:
         finally:
             self._done.set()
 
-    def _take_signals(self, board: Any, key: str) -> None:
+    def _take_signals(self, board: Any, token: str, key: str) -> None:
         import ray
 
         while not self._done.is_set():
             try:
-                signum = ray.get(board.next_signal.remote(key))
+                signum = ray.get(board.next_signal.remote(token, key))
             except Exception:  # the board is gone: the group is being torn down
                 return
-            if signum and not self._done.is_set():
+            # Checked here too: whatever reached the board, a rank only ever
+            # takes the signals the supervisor sends.
+            if signum in BOARD_SIGNALS and not self._done.is_set():
                 with contextlib.suppress(OSError):
                     os.kill(os.getpid(), signum)
+
+
+#: The signals the board carries: the supervisor's SIGTERM (SIGKILL is ray.kill).
+BOARD_SIGNALS = frozenset({signal.SIGTERM})
 
 
 #: Seconds a rank's signal thread waits on the board in one call.
@@ -125,26 +141,81 @@ SIGNAL_WAIT = 10.0
 
 
 class SignalBoard:
-    """Holds the signals sent to a group's ranks until each rank's thread takes them."""
+    """Holds the signals sent to a group's ranks until each rank's thread takes them.
 
-    def __init__(self) -> None:
+    Args:
+        token: The group's secret; a call with another one is refused.
+    """
+
+    def __init__(self, token: str) -> None:
+        self._token = token
         self._queues: dict[str, asyncio.Queue[int]] = {}
+        self._waiting: dict[str, int] = {}
 
-    def _queue(self, key: str) -> asyncio.Queue[int]:
-        return self._queues.setdefault(key, asyncio.Queue())
-
-    async def next_signal(self, key: str) -> int:
+    async def next_signal(self, token: str, key: str) -> int:
         """The next signal sent to the attempt ``key`` (``"rank.restart"``), or 0.
 
         0 after :data:`SIGNAL_WAIT` seconds without one: every waiting call
         ends in bounded time, also one whose rank was killed meanwhile, so the
         calls in flight stay about one per running rank.
-        """
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(SIGNAL_WAIT):
-                return await self._queue(key).get()
-        return 0
 
-    async def send(self, key: str, signum: int) -> None:
-        """Send ``signum`` to the attempt ``key``."""
-        self._queue(key).put_nowait(signum)
+        Raises:
+            PermissionError: ``token`` is not the group's.
+        """
+        self._check(token)
+        queue = self._queues.setdefault(key, asyncio.Queue())
+        self._waiting[key] = self._waiting.get(key, 0) + 1
+        try:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(SIGNAL_WAIT):
+                    return await queue.get()
+            return 0
+        finally:
+            self._waiting[key] -= 1
+            self._prune(key)
+
+    async def send(self, token: str, key: str, signum: int) -> None:
+        """Send ``signum`` to the attempt ``key``.
+
+        Raises:
+            PermissionError: ``token`` is not the group's.
+            ValueError: ``signum`` is not one of :data:`BOARD_SIGNALS`.
+        """
+        self._check(token)
+        if signum not in BOARD_SIGNALS:
+            carried = ", ".join(signal.Signals(each).name for each in sorted(BOARD_SIGNALS))
+            raise ValueError(f"the signal board carries {carried} only, got {signum!r}")
+        self._queues.setdefault(key, asyncio.Queue()).put_nowait(signum)
+
+    async def forget(self, token: str, key: str) -> None:
+        """The attempt ``key`` is over: drop what was held for it.
+
+        Raises:
+            PermissionError: ``token`` is not the group's.
+        """
+        self._check(token)
+        queue = self._queues.get(key)
+        if queue is not None:
+            while not queue.empty():
+                queue.get_nowait()
+            self._prune(key)
+
+    async def keys(self, token: str) -> list[str]:
+        """The attempts something is held or awaited for.
+
+        Raises:
+            PermissionError: ``token`` is not the group's.
+        """
+        self._check(token)
+        return sorted(self._queues)
+
+    def _check(self, token: str) -> None:
+        if not (isinstance(token, str) and hmac.compare_digest(token, self._token)):
+            raise PermissionError("this call does not carry the group's token")
+
+    def _prune(self, key: str) -> None:
+        # A queue nobody waits on and that holds nothing is recreated on demand.
+        queue = self._queues.get(key)
+        if queue is not None and queue.empty() and not self._waiting.get(key):
+            del self._queues[key]
+            self._waiting.pop(key, None)

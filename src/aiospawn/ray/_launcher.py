@@ -10,9 +10,15 @@ The supervisor side of ``aiospawn.ray.RayBackend``; the cluster side is
              and rank 0's free port ─► run(fn, rank, args, env) submitted
     wait()   the run() result is the rank's sentinel (``_rank``), waited
              on through its future (``_bridge``), never a blocking ray.get
-    stop     SIGTERM and other signals through the group's SignalBoard;
+    stop     SIGTERM through the group's SignalBoard, with the group's token;
              SIGKILL is ray.kill
     aclose() kill every actor and the board, remove the placement group
+
+Neither the board nor the rank actors are named: Ray lists named actors to
+every job on the cluster (``ray.util.list_named_actors``), and a name is all
+``ray.get_actor`` needs. The launcher holds their handles, and the ranks get
+the board's handle and token in ``run()``. The placement group keeps a name,
+which gives no way to reach the ranks.
 
 Calls that talk to Ray's control service and may wait on it (creating the
 placement group and actors, ``ray.put``, removal) run on worker threads.
@@ -23,6 +29,7 @@ Submitting an actor call or a kill only queues it (measured: 0.13 ms and
 from __future__ import annotations
 
 import contextlib
+import secrets
 import socket
 import threading
 import uuid
@@ -142,6 +149,7 @@ class RayLauncher:
         self._spec = spec
         self._options = options
         self._name = f"aiospawn-{uuid.uuid4().hex[:12]}"
+        self._token = secrets.token_hex(16)  # asked of every call to the board
         self._pg: Any = None
         self._board: Any = None
         self._slots: list[Slot] = []
@@ -193,12 +201,11 @@ class RayLauncher:
             board = _actor_class("SignalBoard").options(
                 num_cpus=0,
                 resources={HEAD_NODE_RESOURCE: 0.001},
-                name=f"{self._name}-signals",
                 # One waiting call per running rank, and one per stop request:
                 # past Ray's default of 1000, a stop would queue behind them.
                 max_concurrency=max(1000, 4 * nprocs),
             )
-            self._board = board.remote()
+            self._board = board.remote(self._token)
 
         await anyio.to_thread.run_sync(create)
         await self._placed()
@@ -231,7 +238,7 @@ class RayLauncher:
 
     def make_rank(self, index: int, restart: int, on_exit: OnExit) -> RayRank:
         """Create, without starting, attempt number ``restart`` of rank ``index``."""
-        return RayRank(index, restart, on_exit, ray=self.ray, post=self.send)
+        return RayRank(index, restart, on_exit, ray=self.ray, post=self.send, forget=self._forget)
 
     async def start(self, ranks: Sequence[RayRank]) -> None:
         """Start ``ranks`` together; return once each has been handed ``fn``.
@@ -269,7 +276,8 @@ class RayLauncher:
             if not errors:
                 work = await anyio.to_thread.run_sync(self._put_work)
                 for rank in ranks:
-                    rank.begin(work, self._environment(rank.rank, rank.restart), self._board)
+                    env = self._environment(rank.rank, rank.restart)
+                    rank.begin(work, env, self._board, self._token)
         finally:
             unstarted = [rank.actor for rank in ranks if not rank.started]
             if unstarted:
@@ -305,7 +313,6 @@ class RayLauncher:
                 resources=resources or None,
                 max_restarts=0,
                 max_task_retries=0,
-                name=f"{self._name}-rank{rank.rank}.{rank.restart}",
                 scheduling_strategy=strategy,
                 runtime_env=None if runtime_env is None else dict(runtime_env),
             ).remote(rank.rank)
@@ -336,7 +343,13 @@ class RayLauncher:
 
     def send(self, key: str, signum: int) -> None:
         """Post ``signum`` for the rank attempt ``key`` on the board (does not wait)."""
-        self._board.send.remote(key, signum)
+        self._board.send.remote(self._token, key, signum)
+
+    def _forget(self, key: str) -> None:
+        """Let the board drop what it holds for the ended attempt ``key`` (does not wait)."""
+        if not self._closed:
+            with contextlib.suppress(Exception):
+                self._board.forget.remote(self._token, key)
 
     async def aclose(self) -> None:
         """Kill every actor and the board, and remove the placement group. Idempotent."""

@@ -40,6 +40,7 @@ class RayRank:
         ray: The ``ray`` module (imported by the launcher, never here).
         post: Posts a signal for the rank's process on the group's board,
             ``post(key, signum)``.
+        forget: Tells the board the attempt is over, ``forget(key)``.
     """
 
     def __init__(
@@ -50,9 +51,11 @@ class RayRank:
         *,
         ray: Any,
         post: Callable[[str, int], None],
+        forget: Callable[[str], None],
     ) -> None:
         self._ray = ray
         self._post = post
+        self._forget = forget
         self.rank = index
         self.restart = restart
         self._on_exit = on_exit
@@ -97,9 +100,9 @@ class RayRank:
         node_id, address, pid = description
         self._node, self._pid = (node_id, address), pid
 
-    def begin(self, work: Any, env: dict[str, str], board: Any) -> None:
+    def begin(self, work: Any, env: dict[str, str], board: Any, token: str) -> None:
         """Submit ``run()``; its result is the rank's sentinel. On the event loop."""
-        ref = self.actor.run.remote(work, self.rank, env, self.restart, board)
+        ref = self.actor.run.remote(work, self.rank, env, self.restart, board, token)
         self._future = ref.future()
         # One wake-up per attempt, however often the rank is waited for.
         self._done = done_event(self._future)
@@ -180,6 +183,7 @@ class RayRank:
         # as a local rank's process exits. (Submits the kill; does not wait.)
         with contextlib.suppress(Exception):
             ray.kill(self.actor, no_restart=True)
+        self._forget(self._key)
         self._on_exit(self._exit)
 
     def _where(self) -> str:
