@@ -87,8 +87,9 @@ only the launcher, which decides. If the launcher is killed, even by SIGKILL,
 every rank dies with it, with its children.
 
 Exit status: 0 when every rank succeeded; otherwise that of the first rank
-that failed by itself (the root cause): its exit code, 128 + its signal's
-number if a signal killed it, or 1 if it raised an exception. 2 for bad usage,
+that failed by itself (the root cause): its exit code (1 for a code an exit
+status cannot hold, such as ``sys.exit(256)``), 128 + its signal's number if a
+signal killed it, or 1 if it raised an exception. 2 for bad usage,
 before anything starts. After a failure or a signal, stderr ends with a
 summary: the root cause with the last lines of its stderr (when its stderr
 passes through the launcher: ``prefix`` or ``--tee``), and a table of every
@@ -510,7 +511,8 @@ def _report(run: _Run) -> int:
         return 0
     elif isinstance(failure, aiospawn.ProcessExitedException):
         code = failure.exit_code
-        status = 128 - code if code < 0 else code
+        # A status keeps 8 bits: sys.exit(256) in a rank must not read as success.
+        status = 128 - code if code < 0 else code if 0 < code < 256 else 1
     else:
         status = 1
     if failure is not None and root is not None:
