@@ -58,7 +58,9 @@ class GroupOptions(TypedDict, total=False):
             ``"prefix"`` (the supervisor's stdout, each line behind
             ``prefix``), ``"capture"`` (kept for ``ctx.output()``),
             ``"devnull"``, or a directory path (one file per rank,
-            ``rank{N}.stdout``, owner-only, never deleted).
+            ``rank{N}.stdout``, mode 0600, emptied at each start of the rank,
+            never deleted; the directory and its missing parents are made with
+            mode 0700, and links are never followed).
         stderr: The same for stderr (files ``rank{N}.stderr``). With ``prefix``,
             ``capture`` or ``tee``, a failed rank's exception quotes its last
             20 stderr lines.
@@ -162,10 +164,17 @@ async def start_processes(
         ProcessExitedException: A rank exited with a non-zero code or was
             killed by a signal (``join=True``).
         ProcessHungException: A rank stopped sending heartbeats (``join=True``).
-        TypeError: ``fn`` is not callable or cannot be pickled for the start
-            method; ``args`` is not a sequence. Raised before any process starts.
-        ValueError: ``nprocs``, ``start_method`` or ``grace_period`` is invalid.
-            Raised before any process starts.
+        TypeError: ``fn`` is not callable, is a generator function, or cannot
+            be pickled for the start method; ``args`` is not a sequence; an
+            ``env`` callable returned no mapping. Raised before any process starts.
+        ValueError: ``nprocs`` (too many for the process's file limit with
+            these options), ``start_method`` or ``grace_period`` is invalid;
+            ``env`` has an empty name, a name with ``=`` or a NUL, or a value
+            with a NUL; the main script was not read from a file (``python -
+            < script.py``) under ``spawn`` or ``forkserver``; an output
+            directory is a link, not ours, or writable by its group or others,
+            or a rank's file there is a link, not a regular file of ours, or
+            has other hard links. Raised before any process starts.
         Exception: A rank could not be started (for example ``args`` that
             cannot be pickled); the ranks already started have been stopped
             and reaped, and a note names the rank.

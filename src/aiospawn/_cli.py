@@ -67,6 +67,11 @@ Options:
 * ``--tee``: with ``--log-dir`` or a directory mode: also each line on the
   launcher's streams, behind the prefix.
 * ``--env KEY=VALUE``: an environment variable for every rank; repeatable.
+  ``--env KEY`` takes the value of ``KEY`` in the launcher's own environment:
+  use it for secrets, since the launcher's command line (``KEY=VALUE`` with
+  it) can be read by every user of the machine (``ps``). The ranks inherit the
+  launcher's environment anyway; ``--env KEY`` makes that value win over the
+  variables ``aiospawn run`` sets (``MASTER_ADDR``, say).
 * ``-v/--verbose``: a one-line summary after a successful run too.
 * ``--max-restarts N``: when a rank fails, stop the others (SIGTERM, grace
   period, SIGKILL) and start all ranks again, up to N times, as torchrun does;
@@ -219,8 +224,9 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         type=_env_pair,
         default=[],
-        metavar="KEY=VALUE",
-        help="set a variable in every rank (repeatable)",
+        metavar="KEY[=VALUE]",
+        help="set a variable in every rank (repeatable); KEY alone: its value here, which keeps"
+        " a secret out of the command line",
     )
     run.add_argument(
         "-v", "--verbose", action="store_true", help="print a summary after a successful run"
@@ -317,8 +323,17 @@ def _stream_mode(text: str) -> str:
 def _env_pair(text: str) -> tuple[str, str]:
 
     key, equals, value = text.partition("=")
-    if not equals or not key:
-        raise argparse.ArgumentTypeError(f"wants KEY=VALUE, got {text!r}")
+    if not key:
+        raise argparse.ArgumentTypeError(f"wants KEY=VALUE or KEY, got {text!r}")
+    if not equals:
+        # The value from our own environment: a secret given on the command
+        # line is in our argv, which every local user can read (ps).
+        if key not in os.environ:
+            raise argparse.ArgumentTypeError(
+                f"{key} is not set in the launcher's environment (--env KEY takes its value"
+                " from there)"
+            )
+        value = os.environ[key]
     return key, value
 
 

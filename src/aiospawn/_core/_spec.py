@@ -10,7 +10,9 @@ for options that are a number of seconds.
 
 from __future__ import annotations
 
+import inspect
 import multiprocessing
+import multiprocessing.process
 import os
 import pickle
 import resource
@@ -22,9 +24,22 @@ from typing import Any
 
 START_METHODS = ("spawn", "fork", "forkserver")
 
-#: Parent-side file descriptors a running rank holds: sentinel, pidfd, result pipe,
-#: plus one while it starts.
+#: Descriptors the supervisor holds for a rank whatever its options: the two
+#: ends of its result pipe until it starts, then the read end, the two ends of
+#: ``multiprocessing``'s sentinel pipe and a pidfd.
 FDS_PER_RANK = 4
+
+#: What each stream mode adds: a pipe (both ends until the rank starts); a
+#: directory adds the file, and with ``tee`` a pipe too.
+_STREAM_FDS = {"inherit": 0, "devnull": 0, "prefix": 2, "capture": 2}
+
+#: What heartbeats add: the memory file, the duplicate its mapping holds, and
+#: the stack pipe's two ends.
+_HEARTBEAT_FDS = 4
+
+#: Kept for everything else the process holds, and for starts under way
+#: (``multiprocessing`` opens a few descriptors while it starts a process).
+_RESERVED_FDS = 64 + 32
 
 
 #: The environment of a group's ranks: one mapping for all, or one per rank.
@@ -114,13 +129,16 @@ def make_spec(
     """Check a group's arguments before anything starts, and resolve the start method.
 
     Raises:
-        TypeError: ``fn`` is not callable, or cannot reach a ``spawn`` or
-            ``forkserver`` child (a lambda, a local function, a function of an
-            interactive ``__main__``; checked with ``check_importable`` only);
-            ``args`` is not a sequence; ``env`` is
-            neither a mapping nor a callable.
-        ValueError: ``nprocs`` is not a positive int within :func:`max_nprocs`,
-            or ``start_method`` is unknown.
+        TypeError: ``fn`` is not callable, is a generator or async generator
+            function, or cannot reach a ``spawn`` or ``forkserver`` child (a
+            lambda, a local function, a function of an interactive
+            ``__main__``; checked with ``check_importable`` only); ``args`` is
+            not a sequence; ``env`` is neither a mapping nor a callable.
+        ValueError: ``nprocs`` is not a positive int within :func:`max_nprocs`
+            for these options; ``start_method`` is unknown; ``env`` holds a
+            name or value no environment can (see :func:`check_environment`);
+            the main module was not read from a file and the start method is
+            ``spawn`` or ``forkserver`` (checked with ``check_importable`` only).
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {fn!r}")
@@ -128,9 +146,18 @@ def make_spec(
         raise TypeError(f"args must be a tuple or list of positional arguments, got {args!r}")
     if env is not None and not (isinstance(env, Mapping) or callable(env)):
         raise TypeError(f"env must be a mapping, a callable rank -> mapping, or None, got {env!r}")
-    check_nprocs(nprocs)
+    if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
+        raise TypeError(
+            f"fn {fn!r} is a generator function: calling it runs none of its body, and a"
+            " generator cannot be sent back; make fn a plain function that returns a value"
+            " (a list, say)"
+        )
+    if isinstance(env, Mapping):
+        check_environment(env, "env")
+    check_nprocs(nprocs, fds_per_rank(output, heartbeats))
     method = resolve_start_method(start_method)
     if check_importable and method != "fork":
+        _check_main_module(method)
         _check_importable(fn, method)
     return LaunchSpec(
         fn=fn,
@@ -157,32 +184,72 @@ def resolve_start_method(start_method: str | None) -> str:
     return start_method
 
 
-def max_nprocs() -> int:
+def fds_per_rank(output: OutputSpec | None = None, heartbeats: bool = False) -> int:
+    """The most descriptors the supervisor holds for one rank with these options."""
+    count = FDS_PER_RANK + (_HEARTBEAT_FDS if heartbeats else 0)
+    if output is not None:
+        for mode in output.modes.values():
+            if isinstance(mode, Path):
+                count += 3 if output.tee else 1
+            else:
+                count += _STREAM_FDS[mode]
+    return count
+
+
+def max_nprocs(output: OutputSpec | None = None, heartbeats: bool = False) -> int:
     """The largest group this process can hold, from its process and file limits.
 
-    Each rank needs one process (``RLIMIT_NPROC``) and :data:`FDS_PER_RANK`
-    descriptors here (``RLIMIT_NOFILE``, 64 kept for everything else).
+    Each rank needs one process (``RLIMIT_NPROC``) and :func:`fds_per_rank`
+    descriptors here (``RLIMIT_NOFILE``, less a reserve for everything else).
     """
+    return _limit(fds_per_rank(output, heartbeats))
+
+
+def _limit(fds: int) -> int:
     nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     nproc = resource.getrlimit(resource.RLIMIT_NPROC)[0]
     limits = [
-        (nofile - 64) // FDS_PER_RANK if nofile != resource.RLIM_INFINITY else sys.maxsize,
+        (nofile - _RESERVED_FDS) // fds if nofile != resource.RLIM_INFINITY else sys.maxsize,
         nproc if nproc != resource.RLIM_INFINITY else sys.maxsize,
     ]
     return max(1, min(limits))
 
 
-def check_nprocs(nprocs: object) -> None:
-    """Raise ValueError unless ``nprocs`` is a positive int this process can hold."""
+def check_nprocs(nprocs: object, fds: int = FDS_PER_RANK) -> None:
+    """Raise ValueError unless ``nprocs`` is a positive int this process can hold.
+
+    ``fds`` is what one rank needs (:func:`fds_per_rank`).
+    """
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
-    limit = max_nprocs()
+    limit = _limit(fds)
     if nprocs > limit:
         raise ValueError(
             f"nprocs={nprocs} is more than this process can supervise ({limit}, from"
-            " RLIMIT_NOFILE and RLIMIT_NPROC); raise the limits (ulimit -n, ulimit -u)"
+            f" RLIMIT_NOFILE and RLIMIT_NPROC, at {fds} descriptors per rank with these"
+            " output and heartbeat options); raise the limits (ulimit -n, ulimit -u)"
             " or start fewer ranks"
         )
+
+
+def check_environment(env: Mapping[Any, Any], source: str) -> None:
+    """Raise ValueError unless every item of ``env`` can be an environment variable.
+
+    Names and values are taken as ``str()`` of what is given, as a rank sets them.
+    ``source`` names the mapping in the message (``"env"``, ``"env(3)"``).
+    """
+    for key, value in env.items():
+        name, text = str(key), str(value)
+        if not name:
+            raise ValueError(f"{source} has an empty variable name (value {text!r})")
+        if "=" in name or "\0" in name:
+            bad = "'='" if "=" in name else "a NUL character"
+            raise ValueError(f"{source} has the variable name {name!r}, which holds {bad}")
+        if "\0" in text:
+            raise ValueError(
+                f"{source}[{name!r}] holds a NUL character, which no environment value can:"
+                f" {text!r}"
+            )
 
 
 def check_seconds(name: str, value: object, *, allow_none: bool = True) -> None:
@@ -191,6 +258,29 @@ def check_seconds(name: str, value: object, *, allow_none: bool = True) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
         raise ValueError(f"{name} must be a non-negative number of seconds or None, got {value!r}")
+
+
+def _check_main_module(method: str) -> None:
+    # A spawn or forkserver rank runs the main script again as __mp_main__,
+    # found by its __file__ (multiprocessing.spawn's preparation data), whatever
+    # fn is; a script read from standard input has the file name '<stdin>'.
+    main = sys.modules.get("__main__")
+    if getattr(getattr(main, "__spec__", None), "name", None) is not None:
+        return  # python -m: found by module name
+    main_file = getattr(main, "__file__", None)
+    if not isinstance(main_file, str):
+        return  # interactive: nothing is imported again
+    path = main_file
+    original_dir = getattr(multiprocessing.process, "ORIGINAL_DIR", None)
+    if not os.path.isabs(path) and original_dir is not None:
+        path = os.path.join(original_dir, path)
+    if not os.path.isfile(path):
+        raise ValueError(
+            f"the main module's file {main_file!r} is not a file (a script read from"
+            f" standard input?), and each {method!r} rank imports the main module from its"
+            " file; run the script from a file, put fn in a module, or use"
+            " start_method='fork'"
+        )
 
 
 def _check_importable(fn: Callable[..., Any], method: str) -> None:
