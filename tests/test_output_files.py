@@ -12,6 +12,8 @@ from __future__ import annotations
 import multiprocessing.process
 import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -177,3 +179,31 @@ async def test_an_existing_file_is_emptied_and_made_0600(logs: Path, tee: bool) 
     for name in names(logs):
         assert mode(logs / name) == 0o600, name
     assert fd_count() == before  # the directory is closed with the group
+
+
+@pytest.mark.parametrize("tee", [False, True], ids=["log-dir", "log-dir-tee"])
+def test_the_launcher_refuses_a_planted_symlink_in_its_log_dir(
+    logs: Path, victim: Path, tee: bool
+) -> None:
+    (logs / "rank0.stderr").symlink_to(victim)
+    completed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "aiospawn",
+            "run",
+            "--log-dir",
+            str(logs),
+            *(["--tee"] if tee else []),
+            "tests/cli_programs/show_env.py",
+        ],
+        cwd=Path(__file__).resolve().parent.parent,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert completed.returncode == 2, completed.stderr  # refused before anything started
+    assert "rank0.stderr' is a symbolic link" in completed.stderr
+    assert read(victim) == PRECIOUS
