@@ -193,15 +193,16 @@ def run_rank(
         try:
             value = fn(rank, *args)
         except SystemExit as exc:
-            kind, payload, status = encode_exit(exc)
+            kind, payload, code = encode_exit(exc)
             if exc.code is not None and not isinstance(exc.code, int):
                 text = str(exc.code)  # printed, as Python does for sys.exit("text")
         except BaseException as exc:
-            kind, payload, status = Kind.RAISED, encode_exception(from_fn(exc)), 1
+            kind, payload, code = Kind.RAISED, encode_exception(from_fn(exc)), 1
         else:
-            kind, payload, status = encode_value(value)
-        if not report.send(kind, payload) and status == 0:
-            status = LOST_CHANNEL_STATUS
+            kind, payload, code = encode_value(value)
+        # Only once the frame is out may the status become 0: a KeyboardInterrupt
+        # while it is written must not leave a success without a result.
+        status = code if report.send(kind, payload) or code else LOST_CHANNEL_STATUS
         if text is not None:
             print(text, file=sys.stderr)
     finally:
