@@ -185,6 +185,11 @@ def crash_row(rank: int, behaviour: str, failing: int | None) -> Any:
         sys.exit(3)
     if behaviour == "sys.exit(text)":
         sys.exit("crash text")
+    if behaviour == "sys.exit(256)":
+        sys.exit(256)
+    if behaviour == "closerange, return":
+        os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+        return ("lost", rank)
     if behaviour == "os._exit(7)":
         os._exit(7)
     if behaviour == "segfault":

@@ -75,6 +75,8 @@ class Row:
     message: str = ""
     cause: Callable[[BaseException | None, str], None] | None = None
     results: tuple[Any, ...] = (None, None)
+    #: The process's own exit code, when it differs from the reported one.
+    process_exit_code: int | None = None
 
 
 Exited = aiospawn.ProcessExitedException
@@ -96,6 +98,27 @@ CRASH_MATRIX = [
         Exited,
         exit_code=1,
         message=re.escape("process 1 terminated with exit code 1: sys.exit('crash text')"),
+    ),
+    Row(
+        # The status keeps 8 bits: the rank exits with 1, the report keeps 256.
+        "sys.exit(256)",
+        Exited,
+        exit_code=256,
+        process_exit_code=1,
+        message=re.escape(
+            "process 1 terminated with exit code 256: sys.exit(256); the process's exit"
+            " status is 1, as an exit status holds 0 to 255"
+        ),
+    ),
+    Row(
+        "closerange, return",
+        Exited,
+        exit_code=86,
+        message=re.escape(
+            "process 1 terminated with exit code 86: the rank's code closed the pipe on which"
+            " it reports how fn ended"
+        )
+        + ".*outcome is lost.*",
     ),
     Row(
         "os._exit(7)",
@@ -212,7 +235,8 @@ async def test_crash_matrix(row: Row, start_method: str) -> None:
             assert (error.exit_code, error.signal_name) == (row.exit_code, row.signal_name)
         if row.cause is not None:
             row.cause(error.__cause__, error.msg)
-        assert ctx.processes[1].exitcode == row.exit_code
+        expected = row.exit_code if row.process_exit_code is None else row.process_exit_code
+        assert ctx.processes[1].exitcode == expected
         # The sleeping sibling was stopped by the shutdown after the grace period.
         assert ctx.processes[0].exitcode == -signal.SIGTERM
     for pid in pids:

@@ -811,9 +811,11 @@ async def test_a_rank_holds_only_what_multiprocessing_needs_plus_its_pipe_and_pi
       pidfd of the supervisor (the parent-death guard). No regular file, no
       socket, no event poll, no pidfd of another process, no sibling's pipe.
 
-    Under ``fork`` (not asserted here) a rank inherits the supervisor's whole fd
-    table, as any ``fork`` child does: the event loop's epoll and self-pipe,
-    and the result pipes (both ends) of the ranks not started yet.
+    Under ``fork`` a rank starts with the supervisor's whole fd table, as any
+    ``fork`` child does; the bootstrap closes aiospawn's part of it and the
+    event loop's epoll and wakeup pipe, and leaves the program's own (see
+    tests/test_rank_plumbing.py, which asserts what a rank of each start
+    method holds of the supervisor's plumbing).
     """
     context = multiprocessing.get_context(start_method)
     reader, writer = context.Pipe(duplex=False)

@@ -62,8 +62,10 @@ class GroupOptions(TypedDict, total=False):
             ``sys.stdout``, each line behind ``prefix``), ``"capture"`` (kept for
             ``ctx.output()``, so only with ``open_group`` or ``join=False``),
             ``"devnull"``, or a directory path (one file per rank,
-            ``rank{N}.stdout``, owner-only, never deleted); or a callable
-            ``rank -> mode`` for a mode per rank.
+            ``rank{N}.stdout``, mode 0600, emptied at each start of the rank,
+            never deleted; the directory and its missing parents are made with
+            mode 0700, and links are never followed); or a callable ``rank -> mode`` for a mode
+            per rank.
         stderr: The same for stderr (files ``rank{N}.stderr``). With ``prefix``,
             ``capture`` or ``tee``, a failed rank's exception quotes its last
             20 stderr lines.
@@ -182,14 +184,20 @@ async def start_processes(
         ProcessExitedException: A rank exited with a non-zero code or was
             killed by a signal (``join=True``).
         ProcessHungException: A rank stopped sending heartbeats (``join=True``).
-        TypeError: ``fn`` is not callable or cannot be pickled for the start
-            method, even by value; ``args`` is not a sequence. Raised before
-            any process starts.
-        ValueError: ``nprocs``, ``start_method``, ``grace_period`` or an
-            output option is invalid, or the devices asked for do not fit
-            (``devices_per_rank`` times ``nprocs`` is more than ``devices``), or
-            ``stdout``/``stderr`` is ``"capture"`` with ``join=True`` (nobody
-            could read the lines). Raised before any process starts.
+        TypeError: ``fn`` is not callable, is a generator function, or cannot
+            be pickled for the start method, even by value; ``args`` is not a
+            sequence; an ``env`` callable returned no mapping. Raised before any
+            process starts.
+        ValueError: ``nprocs`` (too many for the process's file limit with
+            these options), ``start_method``, ``grace_period`` or an output
+            option is invalid; ``env`` has an empty name, a name with ``=`` or a
+            NUL, or a value with a NUL; an output directory is a link, not ours,
+            or writable by its group or others, or a rank's file there is a link,
+            not a regular file of ours, or has other hard links; the devices
+            asked for do not fit (``devices_per_rank`` times ``nprocs`` is more
+            than ``devices``); ``stdout``/``stderr`` is ``"capture"`` with
+            ``join=True`` (nobody could read the lines). Raised before any
+            process starts.
         Exception: A rank could not be started (for example ``args`` that
             cannot be pickled); the ranks already started have been stopped
             and reaped, and a note names the rank.

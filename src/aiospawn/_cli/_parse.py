@@ -288,8 +288,9 @@ def parser() -> argparse.ArgumentParser:
         action="append",
         type=_env_pair,
         default=[],
-        metavar="KEY=VALUE",
-        help="set a variable in every rank (repeatable)",
+        metavar="KEY[=VALUE]",
+        help="set a variable in every rank (repeatable); KEY alone: its value here, which keeps"
+        " a secret out of the command line",
     )
     ranks.add_argument(
         "--devices-per-rank",
@@ -567,6 +568,15 @@ def _stream_mode(text: str) -> str:
 def _env_pair(text: str) -> tuple[str, str]:
 
     key, equals, value = text.partition("=")
-    if not equals or not key:
-        raise argparse.ArgumentTypeError(f"wants KEY=VALUE, got {text!r}")
+    if not key:
+        raise argparse.ArgumentTypeError(f"wants KEY=VALUE or KEY, got {text!r}")
+    if not equals:
+        # The value from our own environment: a secret given on the command
+        # line is in our argv, which every local user can read (ps).
+        if key not in os.environ:
+            raise argparse.ArgumentTypeError(
+                f"{key} is not set in the launcher's environment (--env KEY takes its value"
+                " from there)"
+            )
+        value = os.environ[key]
     return key, value

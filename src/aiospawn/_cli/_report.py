@@ -65,7 +65,8 @@ def report(run: Run) -> int:
         return 0
     elif isinstance(failure, aiospawn.ProcessExitedException):
         code = failure.exit_code
-        status = 128 - code if code < 0 else code
+        # A status keeps 8 bits: sys.exit(256) in a rank must not read as success.
+        status = 128 - code if code < 0 else code if 0 < code < 256 else 1
     else:
         status = 1
     if failure is not None and root is not None:

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 
 from aiospawn._rank.wire import RESTART_COUNT_VAR
 
+from ._spec import check_environment
+
 if TYPE_CHECKING:
     from ._spec import LaunchSpec
 
@@ -90,11 +92,20 @@ def rank_environment(
     The restart count, then torchrun's variables if the group asked for them,
     then ``CUDA_VISIBLE_DEVICES`` if the group assigns devices, then the
     user's ``env``, which wins.
+
+    Raises:
+        TypeError: An ``env`` callable returned something other than a mapping.
+        ValueError: What it returned cannot be an environment (see
+            ``_spec.check_environment``).
     """
     env = {RESTART_COUNT_VAR: str(restart), **(torchrun or {})}
     if spec.devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(spec.devices[index])
     user = spec.env(index) if callable(spec.env) else spec.env
+    if callable(spec.env):
+        if not isinstance(user, Mapping):
+            raise TypeError(f"env({index}) must return a mapping, got {user!r}")
+        check_environment(user, f"env({index})")
     if user:
         env.update({str(key): str(value) for key, value in user.items()})
     return env

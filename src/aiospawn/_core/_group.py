@@ -160,7 +160,11 @@ class Group(Generic[T]):
         """Start every rank of ``spec``; on any error or cancellation, stop those that started."""
         capture = CaptureBuffer() if spec.output.captures else None
         launcher = await backend.open(spec, capture)
-        self = cls(spec, launcher, supervision, capture)
+        try:
+            self = cls(spec, launcher, supervision, capture)
+        except BaseException:  # making a rank failed: no rank has started
+            await run_to_completion(launcher.aclose)
+            raise
         try:
             await self._launch(self._ranks)
         except BaseException:

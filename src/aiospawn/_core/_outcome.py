@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from aiospawn._rank.wire import Kind
+from aiospawn._rank.wire import LOST_CHANNEL_STATUS, Kind, exit_status
 
 from ._errors import (
     ProcessException,
@@ -81,7 +81,7 @@ class RankExit:
             return "raised"
         if self.exit_code < 0:
             return signal_name(self.exit_code)
-        return f"exit code {self.exit_code}"
+        return f"exit code {self._reported_code()[0]}"
 
     def exception(self) -> ProcessException:
         """Build a fresh exception reporting this (unsuccessful) exit.
@@ -103,16 +103,36 @@ class RankExit:
                 # A note, not the message: torch's message ends with the exception line.
                 error.add_note(self._stderr_tail_text())
             return error
-        detail = None
-        if self.frame is not None and self.frame[0] == Kind.EXITED:
-            _code, detail = pickle.loads(self.frame[1])
-        message = exited_message(
-            self.rank, self.exit_code, detail=detail, killed_by_us=self.stopped_by_us
-        )
+        code, detail = self._reported_code()
+        message = exited_message(self.rank, code, detail=detail, killed_by_us=self.stopped_by_us)
         if self.stderr_tail:
             message += "\n" + self._stderr_tail_text()
-        name = signal_name(self.exit_code) if self.exit_code < 0 else None
-        return ProcessExitedException(message, self.rank, self.pid, self.exit_code, name)
+        name = signal_name(code) if code < 0 else None
+        return ProcessExitedException(message, self.rank, self.pid, code, name)
+
+    def _reported_code(self) -> tuple[int, str | None]:
+        """The exit code to report, and what to say of it beyond the code.
+
+        ``sys.exit(n)`` with an ``n`` no exit status can hold ends the process
+        with status 1; the frame has ``n`` itself, which the report gives
+        (a negative ``n`` would read as a signal: the report says status 1).
+        """
+        if self.frame is None:
+            if self.exit_code == LOST_CHANNEL_STATUS:
+                return self.exit_code, (
+                    "the rank's code closed the pipe on which it reports how fn ended (code"
+                    " that closes every descriptor, such as os.closerange(3, ...), does this),"
+                    " so its outcome is lost; unless fn exited with this code itself"
+                )
+            return self.exit_code, None
+        if self.frame[0] != Kind.EXITED:
+            return self.exit_code, None
+        sent, detail = pickle.loads(self.frame[1])
+        if sent != self.exit_code and self.exit_code == exit_status(sent):
+            detail = f"sys.exit({sent!r}); the process's exit status is {self.exit_code}, as"
+            detail += " an exit status holds 0 to 255"
+            return (sent if sent > 0 else self.exit_code), detail
+        return self.exit_code, detail
 
     def _stderr_tail_text(self) -> str:
         lines = "\n".join(f"    {line}" for line in self.stderr_tail)

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import collections
 import functools
+import inspect
 import io
 import math
 import multiprocessing
+import multiprocessing.process
 import os
 import pickle
 import resource
@@ -36,9 +38,22 @@ from typing import Any, ClassVar
 
 START_METHODS = ("spawn", "fork", "forkserver")
 
-#: Parent-side file descriptors a running rank holds: sentinel, pidfd, result pipe,
-#: plus one while it starts.
+#: Descriptors the supervisor holds for a rank whatever its options: the two
+#: ends of its result pipe until it starts, then the read end, the two ends of
+#: ``multiprocessing``'s sentinel pipe and a pidfd.
 FDS_PER_RANK = 4
+
+#: What each stream mode adds: a pipe (both ends until the rank starts); a
+#: directory adds the file, and with ``tee`` a pipe too.
+_STREAM_FDS = {"inherit": 0, "devnull": 0, "prefix": 2, "capture": 2}
+
+#: What heartbeats add: the memory file, the duplicate its mapping holds, and
+#: the stack pipe's two ends.
+_HEARTBEAT_FDS = 4
+
+#: Kept for everything else the process holds, and for starts under way
+#: (``multiprocessing`` opens a few descriptors while it starts a process).
+_RESERVED_FDS = 64 + 32
 
 
 #: The environment of a group's ranks: one mapping for all, or one per rank.
@@ -213,13 +228,15 @@ def make_spec(
     """Check a group's arguments before anything starts, and resolve the start method.
 
     Raises:
-        TypeError: ``fn`` is not callable, or cannot reach a ``spawn`` or
-            ``forkserver`` child even by value (checked with
-            ``check_importable`` only); ``args`` is not a sequence; ``env`` is
-            neither a mapping nor a callable.
-        ValueError: ``nprocs`` is not a positive int within :func:`max_nprocs`,
-            ``start_method`` is unknown, a rank's output option is bad, or the
-            devices asked for do not fit (see :func:`assign_devices`).
+        TypeError: ``fn`` is not callable, is a generator or async generator
+            function, or cannot reach a ``spawn`` or ``forkserver`` child even
+            by value (checked with ``check_importable`` only); ``args`` is not
+            a sequence; ``env`` is neither a mapping nor a callable.
+        ValueError: ``nprocs`` is not a positive int within :func:`max_nprocs`
+            for these options; ``start_method`` is unknown; ``env`` holds a
+            name or value no environment can (see :func:`check_environment`);
+            a rank's output option is bad, or the devices asked for do not fit
+            (see :func:`assign_devices`).
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {fn!r}")
@@ -227,9 +244,18 @@ def make_spec(
         raise TypeError(f"args must be a tuple or list of positional arguments, got {args!r}")
     if env is not None and not (isinstance(env, Mapping) or callable(env)):
         raise TypeError(f"env must be a mapping, a callable rank -> mapping, or None, got {env!r}")
+    if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
+        raise TypeError(
+            f"fn {fn!r} is a generator function: calling it runs none of its body, and a"
+            " generator cannot be sent back; make fn a plain function that returns a value"
+            " (a list, say)"
+        )
+    if isinstance(env, Mapping):
+        check_environment(env, "env")
     check_nprocs(nprocs)
     method = resolve_start_method(start_method)
     output = output.for_group(nprocs)
+    check_nprocs(nprocs, fds_per_rank(output, heartbeats))
     check_devices_per_rank(devices_per_rank)
     if local_devices:
         assigned = assign_devices(nprocs, devices_per_rank, devices)
@@ -322,32 +348,76 @@ def resolve_start_method(start_method: str | None) -> str:
     return start_method
 
 
-def max_nprocs() -> int:
+def fds_per_rank(output: OutputSpec | None = None, heartbeats: bool = False) -> int:
+    """The most descriptors the supervisor holds for one rank with these options."""
+    count = FDS_PER_RANK + (_HEARTBEAT_FDS if heartbeats else 0)
+    if output is None:
+        return count
+    # The busiest rank counts: with per-rank modes the ranks differ.
+    ranks = output.ranks or (output.for_rank(0),)
+    return count + max(
+        sum(
+            (3 if name in teed else 1) if isinstance(mode, Path) else _STREAM_FDS[mode]
+            for name, mode in modes.items()
+        )
+        for modes, teed in ranks
+    )
+
+
+def max_nprocs(output: OutputSpec | None = None, heartbeats: bool = False) -> int:
     """The largest group this process can hold, from its process and file limits.
 
-    Each rank needs one process (``RLIMIT_NPROC``) and :data:`FDS_PER_RANK`
-    descriptors here (``RLIMIT_NOFILE``, 64 kept for everything else).
+    Each rank needs one process (``RLIMIT_NPROC``) and :func:`fds_per_rank`
+    descriptors here (``RLIMIT_NOFILE``, less a reserve for everything else).
     """
+    return _limit(fds_per_rank(output, heartbeats))
+
+
+def _limit(fds: int) -> int:
     nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     nproc = resource.getrlimit(resource.RLIMIT_NPROC)[0]
     limits = [
-        (nofile - 64) // FDS_PER_RANK if nofile != resource.RLIM_INFINITY else sys.maxsize,
+        (nofile - _RESERVED_FDS) // fds if nofile != resource.RLIM_INFINITY else sys.maxsize,
         nproc if nproc != resource.RLIM_INFINITY else sys.maxsize,
     ]
     return max(1, min(limits))
 
 
-def check_nprocs(nprocs: object) -> None:
-    """Raise ValueError unless ``nprocs`` is a positive int this process can hold."""
+def check_nprocs(nprocs: object, fds: int = FDS_PER_RANK) -> None:
+    """Raise ValueError unless ``nprocs`` is a positive int this process can hold.
+
+    ``fds`` is what one rank needs (:func:`fds_per_rank`).
+    """
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
-    limit = max_nprocs()
+    limit = _limit(fds)
     if nprocs > limit:
         raise ValueError(
             f"nprocs={nprocs} is more than this process can supervise ({limit}, from"
-            " RLIMIT_NOFILE and RLIMIT_NPROC); raise the limits (ulimit -n, ulimit -u)"
+            f" RLIMIT_NOFILE and RLIMIT_NPROC, at {fds} descriptors per rank with these"
+            " output and heartbeat options); raise the limits (ulimit -n, ulimit -u)"
             " or start fewer ranks"
         )
+
+
+def check_environment(env: Mapping[Any, Any], source: str) -> None:
+    """Raise ValueError unless every item of ``env`` can be an environment variable.
+
+    Names and values are taken as ``str()`` of what is given, as a rank sets them.
+    ``source`` names the mapping in the message (``"env"``, ``"env(3)"``).
+    """
+    for key, value in env.items():
+        name, text = str(key), str(value)
+        if not name:
+            raise ValueError(f"{source} has an empty variable name (value {text!r})")
+        if "=" in name or "\0" in name:
+            bad = "'='" if "=" in name else "a NUL character"
+            raise ValueError(f"{source} has the variable name {name!r}, which holds {bad}")
+        if "\0" in text:
+            raise ValueError(
+                f"{source}[{name!r}] holds a NUL character, which no environment value can:"
+                f" {text!r}"
+            )
 
 
 def check_seconds(

@@ -42,7 +42,8 @@ from aiospawn._rank.bootstrap import (
     unpickle_now,
 )
 
-from ._output import RankOutput
+from . import _pipes
+from ._output import RankOutput, close_log_dirs, open_log_dirs
 from ._pipes import rank_pipe
 from ._progress import RankProgress
 from ._rank import LocalRank
@@ -60,7 +61,13 @@ class LocalBackend:
     """Runs a group's ranks as child processes of this one (the default backend)."""
 
     async def open(self, spec: LaunchSpec, capture: CaptureBuffer | None) -> GroupLauncher:
-        """Return the launcher of the group ``spec``; nothing starts yet."""
+        """Return the launcher of the group ``spec``; nothing starts yet.
+
+        Raises:
+            ValueError: An output directory cannot be used safely (see
+                ``_output.open_log_dir``).
+            OSError: An output directory cannot be made or opened.
+        """
         return LocalLauncher(spec, capture)
 
 
@@ -72,16 +79,34 @@ class LocalLauncher:
         self._capture = capture
         self._master_port: int | None = None
         self._fresh_port = True
+        self._log_dirs = open_log_dirs(spec.output)
 
     def make_rank(self, index: int, restart: int, on_exit: OnExit) -> LocalRank:
-        """Create (without starting) attempt number ``restart`` of rank ``index``."""
+        """Create (without starting) attempt number ``restart`` of rank ``index``.
+
+        Raises:
+            ValueError: The environment is unusable, or a log file cannot be
+                used safely.
+            OSError: A pipe or file cannot be made. Whatever was opened for
+                the rank is closed again.
+        """
         spec = self._spec
         # typeshed gives get_context(str) the BaseContext type, which lacks Process.
         context: Any = multiprocessing.get_context(spec.start_method)
         env = self._environment(index, restart)  # first: it runs the user's env callable
         reader, writer = rank_pipe()
-        output = RankOutput(spec.output, index, self._capture, restart=restart)
-        progress = RankProgress() if spec.heartbeats else None
+        output: RankOutput | None = None
+        try:
+            output = RankOutput(
+                spec.output, index, self._capture, restart=restart, log_dirs=self._log_dirs
+            )
+            progress = RankProgress() if spec.heartbeats else None
+        except BaseException:
+            if output is not None:
+                output.discard()
+            _pipes.close(reader)
+            _pipes.close(writer.fd)
+            raise
         setup = RankSetup(
             supervisor_pid=os.getpid(),
             supervisor_is_parent=spec.start_method != "forkserver",
@@ -91,6 +116,9 @@ class LocalLauncher:
             restart=restart,
             heartbeat=progress.child_ends[0] if progress else None,
             stacks=progress.child_ends[1] if progress else None,
+            start_method=spec.start_method,
+            # The live table: a fork copies it as it is at that moment.
+            inherited=_pipes.held() if spec.start_method == "fork" else None,
         )
         name = f"aiospawn-rank-{index}"
         if spec.start_method != "fork":
@@ -124,7 +152,8 @@ class LocalLauncher:
         self._fresh_port = True
 
     async def aclose(self) -> None:
-        """Nothing to release: each rank releases its own descriptors when reaped."""
+        """Close the log directories; each rank releases its own descriptors when reaped."""
+        close_log_dirs(self._log_dirs)
 
     def _environment(self, index: int, restart: int) -> dict[str, str]:
         spec = self._spec

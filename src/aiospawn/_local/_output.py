@@ -4,8 +4,9 @@ A stream's mode is one of
 
 * ``"inherit"``: the rank writes to the supervisor's own stream (no copying);
 * ``"devnull"``: discarded;
-* a directory path: one file per rank and stream (``rank3.stdout``), created
-  with owner-only permissions and never deleted;
+* a directory path: one file per rank and stream (``rank3.stdout``), mode
+  0600, truncated at each start of the rank and never deleted (see
+  :func:`open_log_dir` and :func:`open_log` for what is refused);
 * ``"prefix"``: each line is written to the supervisor's stream behind a
   prefix such as ``[rank3]: `` (the default under ipykernel, see
   ``_core._spec.default_stream_mode``);
@@ -34,12 +35,15 @@ appear in that cell even while a later cell runs.
 from __future__ import annotations
 
 import collections
+import contextlib
 import contextvars
+import errno
 import fcntl
 import os
+import stat
 import sys
 import termios
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -50,6 +54,7 @@ from aiospawn._core._log import logger
 from aiospawn._core._spec import STREAMS, OutputSpec
 from aiospawn._rank.wire import ChildEnd
 
+from . import _pipes
 from ._pipes import close_watched, rank_pipe
 
 #: Longer lines are split into pieces of this many bytes, never dropped.
@@ -127,7 +132,7 @@ class StreamReader:
     def close(self) -> None:
         """Release the pipe without reading (the rank never started)."""
         if self._reader is not None:
-            os.close(self._reader)
+            _pipes.close(self._reader)
             self._reader = None
 
     def _read(self, limit: int | None, budget: int | None = None) -> None:
@@ -194,6 +199,11 @@ class RankOutput:
         rank: The rank's index.
         capture: The group's capture buffer, if a stream is captured.
         restart: The rank's restart count, for the prefix.
+        log_dirs: The group's log directories (see :func:`open_log_dirs`), by path.
+
+    Raises:
+        ValueError: A log file cannot be used safely (see :func:`open_log`).
+        OSError: A pipe or a file cannot be made; nothing is left open.
     """
 
     def __init__(
@@ -202,6 +212,7 @@ class RankOutput:
         rank: int,
         capture: CaptureBuffer | None,
         restart: int = 0,
+        log_dirs: Mapping[Path, int] | None = None,
     ) -> None:
         self._rank = rank
         self._restart = restart
@@ -211,35 +222,54 @@ class RankOutput:
         self.streams: list[StreamReader] = []
         self._child_ends: list[ChildEnd] = []
         self._log_fds: list[int] = []
+        self._readers: list[int] = []  # made, not yet in a StreamReader
         modes, teed = spec.for_rank(rank)
-        for name in STREAMS:
-            mode = modes[name]
-            log = mode / f"rank{rank}.{name}" if isinstance(mode, Path) else None
-            if mode == "inherit":
-                self.targets[name] = None
-            elif mode == "devnull":
-                self.targets[name] = os.devnull
-            elif log is not None and name not in teed:
-                _make_log_dir(log)
-                self.targets[name] = str(log)
-            else:
-                reader, writer = rank_pipe()
-                self._child_ends.append(writer)
-                self.targets[name] = writer
-                sinks: list[Callable[[bytes], None]] = []
-                flushes: list[Callable[[], None]] = []
-                if log is not None:
-                    self._log_fds.append(_open_log(log))
-                    sinks.append(_file_writer(self._log_fds[-1]))
-                if mode == "prefix" or log is not None:
-                    write, flush = self._prefixed_writer(name)
-                    sinks.append(write)
-                    flushes.append(flush)
-                if mode == "capture":
-                    assert capture is not None
-                    sinks.append(_capturer(capture, rank, name))
-                held_back_by = capture if mode == "capture" else None
-                self.streams.append(StreamReader(reader, name, sinks, held_back_by, flushes))
+        try:
+            for name in STREAMS:
+                self._plumb(name, modes[name], name in teed, capture, log_dirs or {})
+        except BaseException:
+            self.discard()
+            raise
+
+    def _plumb(
+        self,
+        name: str,
+        mode: str | Path,
+        teed: bool,
+        capture: CaptureBuffer | None,
+        log_dirs: Mapping[Path, int],
+    ) -> None:
+        log = None
+        if isinstance(mode, Path):
+            log = (mode, log_dirs[mode], f"rank{self._rank}.{name}")
+        if mode == "inherit":
+            self.targets[name] = None
+        elif mode == "devnull":
+            self.targets[name] = os.devnull
+        elif log is not None and not teed:
+            end = ChildEnd(open_log(*log))
+            self._child_ends.append(end)
+            self.targets[name] = end
+        else:
+            reader, writer = rank_pipe()
+            self._child_ends.append(writer)
+            self.targets[name] = writer
+            self._readers.append(reader)
+            sinks: list[Callable[[bytes], None]] = []
+            flushes: list[Callable[[], None]] = []
+            if log is not None:
+                self._log_fds.append(open_log(*log))
+                sinks.append(_file_writer(self._log_fds[-1]))
+            if mode == "prefix" or log is not None:
+                write, flush = self._prefixed_writer(name)
+                sinks.append(write)
+                flushes.append(flush)
+            if mode == "capture":
+                assert capture is not None
+                sinks.append(_capturer(capture, self._rank, name))
+            held_back_by = capture if mode == "capture" else None
+            self._readers.pop()
+            self.streams.append(StreamReader(reader, name, sinks, held_back_by, flushes))
 
     def started(self, pid: int) -> None:
         """Close our copies of the rank's ends, once the rank (``pid``) has its own."""
@@ -247,7 +277,7 @@ class RankOutput:
             rank=self._rank, pid=pid, restart=self._restart
         ).encode()
         for end in self._child_ends:
-            os.close(end.fd)
+            _pipes.close(end.fd)
         self._child_ends.clear()
         for stream in self.streams:
             stream.prepare()
@@ -261,8 +291,11 @@ class RankOutput:
     def discard(self) -> None:
         """Close everything of a rank that never started."""
         for end in self._child_ends:
-            os.close(end.fd)
+            _pipes.close(end.fd)
         self._child_ends.clear()
+        for fd in self._readers:
+            _pipes.close(fd)
+        self._readers.clear()
         for stream in self.streams:
             stream.close()
         self._close_logs()
@@ -300,7 +333,7 @@ class RankOutput:
 
     def _close_logs(self) -> None:
         for fd in self._log_fds:
-            os.close(fd)
+            _pipes.close(fd)
         self._log_fds.clear()
 
 
@@ -313,13 +346,128 @@ def _buffered(fd: int) -> int:
     return int.from_bytes(answer, sys.byteorder)
 
 
-def _make_log_dir(path: Path) -> None:
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+def open_log_dirs(spec: OutputSpec) -> dict[Path, int]:
+    """Open each output directory of ``spec`` once, for the group's life (:func:`open_log_dir`).
+
+    Raises:
+        ValueError, OSError: As :func:`open_log_dir`; nothing is left open.
+    """
+    dirs: dict[Path, int] = {}
+    try:
+        for modes, _ in spec.ranks or (spec.for_rank(0),):
+            for mode in modes.values():
+                if isinstance(mode, Path) and mode not in dirs:
+                    dirs[mode] = open_log_dir(mode)
+    except BaseException:
+        close_log_dirs(dirs)
+        raise
+    return dirs
 
 
-def _open_log(path: Path) -> int:
-    _make_log_dir(path)
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+def close_log_dirs(dirs: dict[Path, int]) -> None:
+    """Close what :func:`open_log_dirs` opened (idempotent)."""
+    for fd in dirs.values():
+        _pipes.close(fd)
+    dirs.clear()
+
+
+def open_log_dir(path: Path) -> int:
+    """Open the log directory ``path``, making it and its missing parents with mode 0700.
+
+    The files are then made relative to this descriptor: a directory swapped
+    for a link while the group runs changes nothing.
+
+    Raises:
+        ValueError: ``path`` is a symbolic link or not a directory, belongs to
+            another user, or others or its group can write to it (they could
+            plant links or files where the ranks' output goes).
+        OSError: It cannot be made or opened.
+    """
+    _make_dirs(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise ValueError(
+                f"the output directory {str(path)!r} is a symbolic link or not a directory;"
+                " give the directory itself"
+            ) from None
+        raise
+    try:
+        info = os.fstat(fd)
+        if info.st_uid != os.geteuid():
+            raise ValueError(
+                f"the output directory {str(path)!r} belongs to uid {info.st_uid}, not to this"
+                f" process (uid {os.geteuid()}); use a directory of your own"
+            )
+        if info.st_mode & 0o022:
+            raise ValueError(
+                f"the output directory {str(path)!r} can be written by its group or others"
+                f" (mode {stat.S_IMODE(info.st_mode):04o}), who could plant links where the"
+                " ranks' output goes; use a directory of your own (a missing one is made with"
+                " mode 0700), or chmod go-w it"
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    return _pipes.track(fd)
+
+
+def _make_dirs(path: Path) -> None:
+    # Path.mkdir(parents=True) gives the parents the default mode (0755 under
+    # the usual umask), not the one asked for.
+    missing = []
+    current = Path(os.path.abspath(path))
+    while not os.path.lexists(current) and current != current.parent:
+        missing.append(current)
+        current = current.parent
+    for directory in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # made meanwhile; checked once opened
+            os.mkdir(directory, 0o700)
+
+
+def open_log(directory: Path, dir_fd: int, name: str) -> int:
+    """Open ``name`` in the log directory for writing, emptied, mode 0600; return the fd.
+
+    A link is never followed, and what was opened is checked before it is
+    emptied: a regular file of ours with no other hard link. A file there
+    already keeps its contents until then and gets mode 0600.
+
+    Raises:
+        ValueError: ``name`` is a symbolic link, not a regular file, belongs
+            to another user, or has other hard links.
+        OSError: It cannot be opened.
+    """
+    path = str(directory / name)
+    # O_NONBLOCK: a FIFO planted there must not block us until it has a reader.
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(name, flags, 0o600, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ValueError(
+                f"{path!r} is a symbolic link; aiospawn never follows links for rank output:"
+                " remove it, or use another directory"
+            ) from None
+        if exc.errno == errno.ENXIO:  # a FIFO with no reader
+            raise ValueError(f"{path!r} is not a regular file; remove it") from None
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"{path!r} is not a regular file; remove it")
+        if info.st_uid != os.geteuid():
+            raise ValueError(f"{path!r} belongs to uid {info.st_uid}; remove it")
+        if info.st_nlink != 1:
+            # Emptying it would empty the other names' file too.
+            raise ValueError(f"{path!r} has {info.st_nlink - 1} other hard link(s); remove it")
+        os.set_blocking(fd, True)
+        os.ftruncate(fd, 0)
+        os.fchmod(fd, 0o600)
+    except BaseException:
+        os.close(fd)
+        raise
+    return _pipes.track(fd)
 
 
 def _file_writer(fd: int) -> Callable[[bytes], None]:

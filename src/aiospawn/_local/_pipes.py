@@ -1,4 +1,11 @@
-"""Pipes between the supervisor and a rank, seen from the supervisor."""
+"""Descriptors the supervisor holds for its ranks: pipes, and the table a ``fork`` rank clears.
+
+A ``fork`` rank starts with a copy of the supervisor's descriptor table. Every
+descriptor the local backend opens for its ranks is recorded here, with the
+identity of its file, until it is closed through :func:`close` (or
+:func:`close_watched`); a ``fork`` rank gets the table as it was when it was
+forked and closes those it does not own (see the rank bootstrap).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +15,29 @@ import anyio
 
 from aiospawn._rank.wire import ChildEnd
 
+_held: dict[int, tuple[int, int]] = {}
+
+
+def track(fd: int) -> int:
+    """Record ``fd``, just opened for a rank, as the supervisor's; return it."""
+    info = os.fstat(fd)
+    _held[fd] = (info.st_dev, info.st_ino)
+    return fd
+
+
+def held() -> dict[int, tuple[int, int]]:
+    """The live table: ``fd -> (st_dev, st_ino)`` of every descriptor recorded and open.
+
+    Handed to ``fork`` ranks as it is: the fork copies it at the moment it happens.
+    """
+    return _held
+
+
+def close(fd: int) -> None:
+    """Close a descriptor recorded with :func:`track`."""
+    _held.pop(fd, None)
+    os.close(fd)
+
 
 def rank_pipe() -> tuple[int, ChildEnd]:
     """Make a pipe for a rank to write into: ``(our read end, the rank's write end)``.
@@ -16,7 +46,7 @@ def rank_pipe() -> tuple[int, ChildEnd]:
     explicitly under ``spawn`` and ``forkserver``.
     """
     read_end, write_end = os.pipe()
-    return read_end, ChildEnd(write_end)
+    return track(read_end), ChildEnd(track(write_end))
 
 
 def close_watched(fd: int) -> None:
@@ -25,4 +55,4 @@ def close_watched(fd: int) -> None:
     Closing a watched fd without ``notify_closing()`` leaves its waiter hanging.
     """
     anyio.notify_closing(fd)
-    os.close(fd)
+    close(fd)

@@ -13,6 +13,7 @@ a pipe to the supervisor (see ``_child``).
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import signal
@@ -22,6 +23,7 @@ import anyio
 from aiospawn._rank import bootstrap
 from aiospawn._rank.wire import BEAT_BYTES, STACK_SIGNAL, ChildEnd
 
+from . import _pipes
 from ._pipes import close_watched, rank_pipe
 
 #: The rank bootstrap's file, as faulthandler names it in a frame.
@@ -39,20 +41,33 @@ class RankProgress:
     """One rank's heartbeat slot and stack channel, seen from the supervisor."""
 
     def __init__(self) -> None:
-        memory = os.memfd_create("aiospawn-heartbeat", os.MFD_CLOEXEC)
-        os.ftruncate(memory, BEAT_BYTES)
-        self._shared = mmap.mmap(memory, BEAT_BYTES)
+        memory = _pipes.track(os.memfd_create("aiospawn-heartbeat", os.MFD_CLOEXEC))
+        try:
+            os.ftruncate(memory, BEAT_BYTES)
+            self._shared = mmap.mmap(memory, BEAT_BYTES)
+        except BaseException:
+            _pipes.close(memory)
+            raise
+        with contextlib.suppress(AttributeError, OSError):  # no MADV_DONTFORK: not Linux
+            # A fork rank must not inherit its siblings' slots (it could
+            # forge their heartbeats); it maps its own from the memfd.
+            self._shared.madvise(mmap.MADV_DONTFORK)
         self._beat = memoryview(self._shared).cast("q")
-        self._reader: int | None
-        self._reader, stacks = rank_pipe()
-        os.set_blocking(self._reader, False)
+        self._reader: int | None = None
         #: The ends the rank gets; ours are closed once it has its copies.
-        self.child_ends: tuple[ChildEnd, ...] = (ChildEnd(memory), stacks)
+        self.child_ends: tuple[ChildEnd, ...] = (ChildEnd(memory),)
+        try:
+            self._reader, stacks = rank_pipe()
+            os.set_blocking(self._reader, False)
+        except BaseException:
+            self.close()
+            raise
+        self.child_ends = (ChildEnd(memory), stacks)
 
     def started(self) -> None:
         """Close our copies of the rank's ends, once the rank has its own."""
         for end in self.child_ends:
-            os.close(end.fd)
+            _pipes.close(end.fd)
         self.child_ends = ()
 
     def last_beat(self) -> float | None:
@@ -108,7 +123,7 @@ class RankProgress:
     def close(self) -> None:
         """Release the slot and the pipe (idempotent)."""
         for end in self.child_ends:
-            os.close(end.fd)
+            _pipes.close(end.fd)
         self.child_ends = ()
         if self._reader is not None:
             close_watched(self._reader)

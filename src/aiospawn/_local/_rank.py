@@ -30,6 +30,7 @@ from aiospawn._core._outcome import RankExit
 from aiospawn._rank import descendants
 from aiospawn._rank.wire import ChildEnd, FrameReader
 
+from . import _pipes
 from ._output import RankOutput
 from ._pipes import close_watched
 from ._progress import RankProgress
@@ -112,7 +113,7 @@ class LocalRank:
             self.process.start()
         finally:
             assert self._writer is not None
-            os.close(self._writer.fd)  # the rank holds its own copy now
+            _pipes.close(self._writer.fd)  # the rank holds its own copy now
             self._writer = None
         # cpython#148318: Process.start() on any thread reaps whichever of the
         # children it knows of have exited; two threads reaping one child can
@@ -124,7 +125,7 @@ class LocalRank:
         if self._progress is not None:
             self._progress.started()
         with contextlib.suppress(AttributeError, OSError):  # no pidfd: not Linux, or old
-            self._pidfd = os.pidfd_open(pid)
+            self._pidfd = _pipes.track(os.pidfd_open(pid))
         if self._pidfd is not None and not self._exit_via_sentinel:
             self._exit_fd = self._pidfd
         else:
@@ -136,10 +137,10 @@ class LocalRank:
     def discard(self) -> None:
         """Release the pipes of a rank whose start failed."""
         if self._writer is not None:
-            os.close(self._writer.fd)
+            _pipes.close(self._writer.fd)
             self._writer = None
         if self._reader is not None:
-            os.close(self._reader)
+            _pipes.close(self._reader)
             self._reader = None
         self._output.discard()
         if self._progress is not None:

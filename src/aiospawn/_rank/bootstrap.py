@@ -30,16 +30,44 @@ The exit-code contract, row by row:
 =====================================  ================  ==========================
 returns ``value``                      0                 success, result ``value``
 calls ``sys.exit()`` / ``sys.exit(0)`` 0                 success, result ``None``
-calls ``sys.exit(n)``, n != 0          n                 ProcessExitedException
+calls ``sys.exit(n)``, 0 < n < 256     n                 ProcessExitedException
+calls ``sys.exit(n)``, other n         1                 ProcessExitedException,
+                                                         ``exit_code`` n (for n > 0)
+                                                         and ``sys.exit(n)`` in the
+                                                         message
 calls ``sys.exit("text")``             1                 ProcessExitedException
                                                          with the text
 raises (``KeyboardInterrupt`` too)     1                 ProcessRaisedException
 returns an unpicklable value           1                 ProcessRaisedException
                                                          saying so
+closes the pipe it reports on and      86 (or fn's own   ProcessExitedException
+then ends (``os.closerange``)          non-zero code)    saying the outcome is lost
 calls ``os._exit(0)``                  0                 success, result ``None``
 calls ``os._exit(n)``, n != 0          n                 ProcessExitedException
 is killed by a signal                  -signal           ProcessExitedException
 =====================================  ================  ==========================
+
+After ``fn``, the rank never returns into ``multiprocessing``: under ``fork``
+and ``forkserver`` what called the bootstrap is a copy of the supervisor (or
+of the fork server), whose code must not run again in the rank, so the
+bootstrap runs ``multiprocessing``'s own exit steps (its finalizers, which
+flush ``multiprocessing.Queue`` feeders; the wait for non-daemon threads),
+flushes stdio and ends the process with ``os._exit``. Under ``spawn`` the
+process is a fresh interpreter: it ends with ``SystemExit``, so that atexit
+handlers run and open files are flushed, as at the end of any Python program.
+Either way the status is one the kernel keeps as it is (0 to 255).
+
+What a rank holds of the supervisor's descriptors: under ``spawn`` and
+``forkserver``, only what it is handed. A ``fork`` rank is a copy of the
+supervisor and starts with its whole descriptor table; the bootstrap closes
+those aiospawn opened for supervision (its siblings' pipes, heartbeat memory
+and pidfds, log directories), the event loop's epoll and the write end of its
+signal wakeup pipe. Every other inherited descriptor is left open: it belongs
+to the program the rank was forked from (a ``multiprocessing.Pipe`` in
+``args``, a log file), which ``fn`` may use. The rank's own descriptors (the
+result pipe, the stack pipe, the pidfd the guard watches) are moved to
+numbers of at least :data:`HIGH_FD`, away from the low numbers that code
+reuses or closes; a guard that finds its pidfd closed opens another.
 
 This module runs before the user's code in every rank, so it imports the
 standard library only, and nothing that the supervisor needs (no anyio,
@@ -54,14 +82,16 @@ import os
 import pickle
 import select
 import signal
+import stat
 import sys
 import time
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple, NoReturn
 
 from . import api, descendants
 from .wire import (
     BEAT_BYTES,
+    LOST_CHANNEL_STATUS,
     STACK_SIGNAL,
     ChildEnd,
     Kind,
@@ -173,13 +203,17 @@ class RankSetup(NamedTuple):
             ``forkserver`` the fork server is the parent.
         env: Variables to set in ``os.environ`` before ``fn`` runs.
         stdout: Where fd 1 goes: the write end of a pipe to the supervisor, a
-            file path (created owner-only), or ``None`` to inherit.
+            file the supervisor opened, ``os.devnull``, or ``None`` to inherit.
         stderr: The same for fd 2.
         restart: How many times this rank has been restarted.
         heartbeat: A memory file holding the rank's heartbeat slot, when the
             group watches heartbeats.
         stacks: Where the rank writes its threads' stacks on
             :data:`~aiospawn._rank.wire.STACK_SIGNAL`, when the group watches heartbeats.
+        start_method: How the rank's process was made.
+        inherited: Under ``fork`` only: the descriptors the supervisor holds
+            for its ranks, each with the ``(st_dev, st_ino)`` of its file, as
+            they were when this rank was forked (a fork copies the mapping).
     """
 
     supervisor_pid: int
@@ -190,6 +224,12 @@ class RankSetup(NamedTuple):
     restart: int = 0
     heartbeat: ChildEnd | None = None
     stacks: ChildEnd | None = None
+    start_method: str = "spawn"
+    inherited: Mapping[int, tuple[int, int]] | None = None
+
+
+#: A rank's own descriptors are moved to this number or above.
+HIGH_FD = 100
 
 
 def run_rank(
@@ -198,8 +238,8 @@ def run_rank(
     args: tuple[Any, ...],
     channel: ChildEnd,
     setup: RankSetup,
-) -> None:
-    """Run ``fn(rank, *args)`` as rank ``rank`` and report how it ended.
+) -> NoReturn:
+    """Run ``fn(rank, *args)`` as rank ``rank``, report how it ended, and end the process.
 
     Args:
         fn: The user's function, or a :class:`Payload` holding it and ``args``.
@@ -208,9 +248,75 @@ def run_rank(
         channel: Write end of the rank's private result pipe.
         setup: The rank's surroundings.
     """
+    status = 1  # whatever interrupts what follows, the rank cannot read as a success
+    try:
+        report = _Channel(channel)
+        try:
+            _prepare(setup, report)
+        except BaseException as exc:
+            report.send(Kind.RAISED, encode_exception(exc))
+            raise
+        text = None
+        try:
+            if isinstance(fn, Payload):  # sent by value: unpickled now, after env
+                fn, args = fn.load()
+            value = fn(rank, *args)
+        except SystemExit as exc:
+            kind, payload, code = encode_exit(exc)
+            if exc.code is not None and not isinstance(exc.code, int):
+                text = str(exc.code)  # printed, as Python does for sys.exit("text")
+        except BaseException as exc:
+            kind, payload, code = Kind.RAISED, encode_exception(from_fn(exc)), 1
+        else:
+            kind, payload, code = encode_value(value)
+        # Leftovers first: once the supervisor has the outcome, the rank's
+        # processes are gone, even those that left its process group.
+        descendants.kill_descendants(os.getpid(), LEFTOVER_PATIENCE)
+        # Only once the frame is out may the status become 0: a KeyboardInterrupt
+        # while it is written must not leave a success without a result.
+        status = code if report.send(kind, payload) or code else LOST_CHANNEL_STATUS
+        if text is not None:
+            print(text, file=sys.stderr)
+    finally:
+        _end(status, setup.start_method)
+
+
+class _Channel:
+    """The rank's end of its result pipe, kept out of the way of ``fn``'s own descriptors."""
+
+    def __init__(self, end: ChildEnd) -> None:
+        self.fd = _move_high(end.fd)
+        self._identity = _identity(self.fd)
+
+    def send(self, kind: int, payload: bytes) -> bool:
+        """Write the frame; False if ``fn`` closed or replaced the pipe, so it cannot be sent."""
+        if _identity(self.fd) != self._identity:
+            # Closed (os.closerange), or the number now holds another file of
+            # the rank's: writing there would corrupt that file.
+            _say(
+                f"the pipe on which this rank reports how fn ended (fd {self.fd}) was"
+                " closed by the rank's own code: its outcome is lost"
+            )
+            return False
+        try:
+            _write_all(self.fd, header(kind, len(payload)))
+            _write_all(self.fd, payload)
+        except OSError:  # the supervisor is gone; the exit code still tells the story
+            pass
+        return True
+
+
+def _prepare(setup: RankSetup, report: _Channel) -> None:
     _become_group_leader()
     descendants.become_subreaper()
-    _restore_default_signals()
+    wakeup_fd = _restore_default_signals()
+    if setup.inherited is not None:
+        own = [
+            report.fd,
+            *(end.fd for end in (setup.stdout, setup.stderr) if isinstance(end, ChildEnd)),
+            *(end.fd for end in (setup.heartbeat, setup.stacks) if end is not None),
+        ]
+        _close_supervisor_fds(setup.inherited, set(own), wakeup_fd)
     _guard_supervisor(setup.supervisor_pid, setup.supervisor_is_parent)
     if setup.env:  # a fork start has not set them yet
         os.environ.update(setup.env)
@@ -220,36 +326,97 @@ def run_rank(
         _watch_progress(setup.heartbeat, setup.stacks)
     _redirect(sys.stdout, 1, setup.stdout)
     _redirect(sys.stderr, 2, setup.stderr)
-    fd = channel.fd
+
+
+def _end(status: int, start_method: str) -> NoReturn:
+    if start_method == "spawn":
+        # A fresh interpreter: multiprocessing's exit steps, then the
+        # interpreter's own (atexit, flushing open files), as for any program.
+        raise SystemExit(status)
     try:
-        if isinstance(fn, Payload):
-            fn, args = fn.load()
-        value = fn(rank, *args)
-    except SystemExit as exc:
-        kind, payload, code = encode_exit(exc)
-        _report(fd, kind, payload)
-        if code:
-            raise  # multiprocessing turns it into the exit code (and prints a text code)
+        try:
+            _exit_steps()
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(BaseException):
+                    if stream is not None:
+                        stream.flush()
+    finally:
+        os._exit(status)
+
+
+def _exit_steps() -> None:
+    # What multiprocessing's Process._bootstrap does once its target returns:
+    # run its finalizers (a Queue's feeder thread flushes what fn put), then
+    # wait for non-daemon threads. A failure here is printed, as there.
+    import threading
+    from multiprocessing import util
+
+    for step in (util._exit_function, threading._shutdown):  # type: ignore[attr-defined]
+        try:
+            step()
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+
+
+def _move_high(fd: int) -> int:
+    """Move ``fd`` to :data:`HIGH_FD` or above (close-on-exec); keep it if that fails."""
+    import fcntl
+
+    try:
+        high = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, HIGH_FD)
+    except OSError:  # RLIMIT_NOFILE at or below HIGH_FD
+        return fd
+    os.close(fd)
+    return high
+
+
+def _identity(fd: int) -> tuple[int, int] | None:
+    try:
+        info = os.fstat(fd)
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino
+
+
+def _close_supervisor_fds(
+    inherited: Mapping[int, tuple[int, int]], own: set[int], wakeup_fd: int
+) -> None:
+    # The descriptors aiospawn holds for its ranks, checked against the file
+    # each held when it was opened: a number closed since then may hold
+    # another file of the program now, which is not ours to close.
+    for fd, identity in list(inherited.items()):
+        if fd not in own and _identity(fd) == identity:
+            os.close(fd)
+    if wakeup_fd >= 0 and wakeup_fd not in own:
+        # The write end of the supervisor's event-loop wakeup pipe.
+        with contextlib.suppress(OSError):
+            os.close(wakeup_fd)
+    # The event loop's epoll, and the descriptor that each heartbeat mapping
+    # of the supervisor holds (mmap keeps a duplicate): neither is in the
+    # table above, both are found by what they are.
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:  # no /proc
         return
-    except BaseException as exc:
-        _report(fd, Kind.RAISED, encode_exception(from_fn(exc)))
-        raise SystemExit(1) from None
-    kind, payload, code = encode_value(value)
-    _report(fd, kind, payload)
-    if code:
-        raise SystemExit(code) from None
+    for name in names:
+        fd = int(name)
+        if fd in own:
+            continue
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:  # the listing's own descriptor, closed by now
+            continue
+        if target == "anon_inode:[eventpoll]" or target.startswith("/memfd:aiospawn-heartbeat"):
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 #: Seconds a rank waits, once ``fn`` ended, for its leftover processes to die
 #: of SIGKILL (only one stuck in the kernel takes that long).
 LEFTOVER_PATIENCE = 5.0
-
-
-def _report(fd: int, kind: int, payload: bytes) -> None:
-    # Leftovers first: once the supervisor has the outcome, the rank's
-    # processes are gone, even those that left its process group.
-    descendants.kill_descendants(os.getpid(), LEFTOVER_PATIENCE)
-    _send(fd, kind, payload)
 
 
 def _watch_progress(heartbeat: ChildEnd, stacks: ChildEnd) -> None:
@@ -262,7 +429,7 @@ def _watch_progress(heartbeat: ChildEnd, stacks: ChildEnd) -> None:
 
     # Written from the signal handler, in C: it works while Python code spins
     # or sleeps. The supervisor removes the guard thread's own stack.
-    faulthandler.register(STACK_SIGNAL, file=stacks.fd, all_threads=True, chain=False)
+    faulthandler.register(STACK_SIGNAL, file=_move_high(stacks.fd), all_threads=True, chain=False)
     beat[1] = 1  # ready for stack requests
 
 
@@ -273,16 +440,17 @@ def _redirect(stream: Any, fd: int, target: ChildEnd | str | None) -> None:
         return
     if stream is not None:
         stream.flush()
-    if isinstance(target, str):
-        new = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    if isinstance(target, str):  # os.devnull
+        new = os.open(target, os.O_WRONLY)
         os.dup2(new, fd)
         os.close(new)
-    else:
-        os.dup2(target.fd, fd)
-        os.close(target.fd)
+        return
+    to_us = stat.S_ISFIFO(os.fstat(target.fd).st_mode)  # else a file the supervisor opened
+    os.dup2(target.fd, fd)
+    os.close(target.fd)
+    if to_us and stream is not None and hasattr(stream, "reconfigure"):
         # Lines reach the supervisor as they are written, as with python -u.
-        if stream is not None and hasattr(stream, "reconfigure"):
-            stream.reconfigure(line_buffering=True)
+        stream.reconfigure(line_buffering=True)
 
 
 def _become_group_leader() -> None:
@@ -290,13 +458,13 @@ def _become_group_leader() -> None:
         os.setpgid(0, 0)
 
 
-def _restore_default_signals() -> None:
+def _restore_default_signals() -> int:
     # A fork inherits the supervisor's Python handlers and the wakeup fd of its
     # event loop: a signal in the rank would otherwise run the supervisor's
     # handlers or write into its loop. A spawn child inherits ignored
     # dispositions (a background job ignores SIGINT). SIGPIPE stays ignored,
     # as in any Python program.
-    signal.set_wakeup_fd(-1)
+    wakeup_fd = signal.set_wakeup_fd(-1)
     for signum in range(1, signal.NSIG):  # plain ints: Signals enums cost a rank's start-up
         if signum in (signal.SIGKILL, signal.SIGSTOP):
             continue
@@ -314,22 +482,14 @@ def _restore_default_signals() -> None:
             signal.signal(signum, wanted)
     # The mask of the thread that forked us survives fork and exec.
     signal.pthread_sigmask(signal.SIG_SETMASK, ())
+    return wakeup_fd
 
 
 def _guard_supervisor(supervisor_pid: int, supervisor_is_parent: bool) -> None:
     # Watch the supervisor itself, not our parent: under forkserver the parent
     # is the fork server, which cannot exit while its children hold its
     # "alive" pipe, so waiting for it would keep both alive forever.
-    if supervisor_is_parent and os.getppid() != supervisor_pid:
-        _kill_own_group()  # it died while this rank was starting
-    try:
-        supervisor_fd: int | None = os.pidfd_open(supervisor_pid)
-    except ProcessLookupError:
-        _kill_own_group()
-    except (AttributeError, OSError):  # no pidfd: not Linux, or Linux < 5.3
-        supervisor_fd = None
-    if supervisor_is_parent and os.getppid() != supervisor_pid:
-        _kill_own_group()  # it died before pidfd_open(): the pid may be reused
+    watched = _open_supervisor(supervisor_pid, supervisor_is_parent)
     # The guard must never take a signal meant for the rank: the kernel may
     # deliver a process-directed signal to any thread that does not block it,
     # and Python runs handlers in the main thread only, which would then sleep
@@ -337,20 +497,55 @@ def _guard_supervisor(supervisor_pid: int, supervisor_is_parent: bool) -> None:
     # (A bare thread: threading.Thread's start-up handshake costs every rank.)
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
     try:
-        _thread.start_new_thread(_die_with_supervisor, (supervisor_pid, supervisor_fd))
+        _thread.start_new_thread(
+            _die_with_supervisor, (supervisor_pid, supervisor_is_parent, watched)
+        )
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
-def _die_with_supervisor(supervisor_pid: int, supervisor_fd: int | None) -> None:
-    if supervisor_fd is None:
-        while _exists(supervisor_pid):
+#: A pidfd, and the identity of its file when it was opened.
+_Watched = tuple[int, tuple[int, int] | None]
+
+
+def _open_supervisor(supervisor_pid: int, supervisor_is_parent: bool) -> _Watched | None:
+    """A pidfd of the supervisor, or None without pidfds; kills the rank if it is gone."""
+    if supervisor_is_parent and os.getppid() != supervisor_pid:
+        _kill_own_group()  # it died while this rank was starting
+    try:
+        supervisor_fd = os.pidfd_open(supervisor_pid)
+    except ProcessLookupError:
+        _kill_own_group()
+    except (AttributeError, OSError):  # no pidfd: not Linux, or Linux < 5.3
+        return None
+    if supervisor_is_parent and os.getppid() != supervisor_pid:
+        _kill_own_group()  # it died before pidfd_open(): the pid may be reused
+    fd = _move_high(supervisor_fd)
+    return fd, _identity(fd)
+
+
+def _die_with_supervisor(
+    supervisor_pid: int, supervisor_is_parent: bool, watched: _Watched | None
+) -> None:
+    while True:
+        if watched is None:
+            if not _exists(supervisor_pid) or (
+                supervisor_is_parent and os.getppid() != supervisor_pid
+            ):
+                break
             time.sleep(0.5)
-    else:
+            continue
+        fd, identity = watched
         poller = select.poll()
-        poller.register(supervisor_fd, select.POLLIN)
-        while not poller.poll():  # readable once the supervisor process has exited
-            pass
+        poller.register(fd, select.POLLIN)
+        events = poller.poll()  # a pidfd is readable once its process has exited
+        revents = events[0][1] if events else 0
+        if revents & (select.POLLIN | select.POLLHUP) and _identity(fd) == identity:
+            break
+        # POLLNVAL: fn closed our pidfd (os.closerange); or the number is
+        # readable but holds another file of fn's now. Neither says anything
+        # of the supervisor: watch it through a new pidfd.
+        watched = _open_supervisor(supervisor_pid, supervisor_is_parent)
     _kill_own_group()
 
 
@@ -375,12 +570,9 @@ def _kill_own_group() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _send(fd: int, kind: int, payload: bytes) -> None:
-    try:
-        _write_all(fd, header(kind, len(payload)))
-        _write_all(fd, payload)
-    except OSError:  # the supervisor is gone; the exit code still tells the story
-        pass
+def _say(line: str) -> None:
+    with contextlib.suppress(OSError):  # fd 2 may be closed too
+        os.write(2, f"aiospawn: {line}\n".encode())
 
 
 def _write_all(fd: int, data: bytes) -> None:

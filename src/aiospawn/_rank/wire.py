@@ -36,6 +36,11 @@ RESTART_COUNT_VAR = "AIOSPAWN_RESTART_COUNT"
 #: them, unlike SIGUSR1 and SIGUSR2.
 STACK_SIGNAL = signal.SIGRTMIN + 3
 
+#: The exit status of a rank whose code closed the pipe it reports on (say, with
+#: ``os.closerange``): how ``fn`` ended is lost, and a status of 0 would read as
+#: success. (``timeout(1)`` and ``sysexits.h`` do not use it.)
+LOST_CHANNEL_STATUS = 86
+
 #: The size of a rank's heartbeat slot: a ``time.monotonic_ns()``, then a
 #: word the rank sets to 1 once it answers :data:`STACK_SIGNAL` (before, the
 #: signal's default action would end it).
@@ -158,12 +163,27 @@ def encode_value(value: Any) -> Outcome:
 
 
 def encode_exit(exc: SystemExit) -> Outcome:
-    """The frame of ``sys.exit(code)``: success for ``None`` and 0, else EXITED."""
+    """The frame of ``sys.exit(code)``: success for ``None`` and 0, else EXITED.
+
+    The frame keeps the code as given; the exit status is :func:`exit_status` of it.
+    """
     if exc.code is None or exc.code == 0:
         return encode_value(None)
-    code = exc.code if isinstance(exc.code, int) else 1
-    text = None if isinstance(exc.code, int) else f"sys.exit({exc.code!r})"
-    return Kind.EXITED, pickle.dumps((code, text)), code
+    if isinstance(exc.code, int):
+        code, text = int(exc.code), None
+    else:
+        code, text = 1, f"sys.exit({exc.code!r})"
+    return Kind.EXITED, pickle.dumps((code, text)), exit_status(code)
+
+
+def exit_status(code: int) -> int:
+    """The status a rank exits with after ``sys.exit(code)``, ``code`` non-zero: 1 to 255.
+
+    The kernel keeps the low 8 bits of a status, so ``sys.exit(256)`` would read
+    as success, and ``os._exit()`` refuses codes beyond a C int. A code that
+    does not fit exits with 1, and the frame carries the code itself.
+    """
+    return code if 0 < code < 256 else 1
 
 
 def encode_exception(exc: BaseException, text: str | None = None) -> bytes:
