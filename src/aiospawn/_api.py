@@ -66,6 +66,17 @@ class GroupOptions(TypedDict, total=False):
             stream, behind ``prefix``.
         prefix: The template of the line prefix, with ``{rank}``, ``{pid}`` and
             ``{restart}``; default ``"[rank{rank}]: "``.
+        preload: Warm starts: module names (``["torch", "mypkg.model"]``) that
+            a template process imports once; every rank, and every restart, is
+            then forked from it and finds them imported. The template is spawned
+            (a fresh interpreter with this process's ``sys.path``, ``sys.argv``
+            and main script, as under ``forkserver``), shared by the groups of
+            this process with the same list, ``sys.path`` and environment, and
+            stopped when this process exits. It refuses, with
+            :class:`RuntimeError`, a preload that leaves threads running or
+            CUDA initialised. With ``spawn`` (the default) or ``forkserver``;
+            not with ``fork``. Preloaded modules see the template's environment
+            and ``sys.argv``, not a rank's ``env`` (the docs' warm-starts page).
     """
 
     grace_period: float | None
@@ -79,6 +90,7 @@ class GroupOptions(TypedDict, total=False):
     stderr: str | os.PathLike[str]
     tee: bool
     prefix: str
+    preload: Sequence[str] | None
 
 
 @overload
@@ -151,7 +163,7 @@ async def start_processes(
         **options: Keyword-only group options (:class:`GroupOptions`):
             ``grace_period``, ``env``, ``torchrun_env``, ``restart``,
             ``heartbeat_timeout``, ``startup_timeout``, ``backend``,
-            ``stdout``, ``stderr``, ``tee``, ``prefix``.
+            ``stdout``, ``stderr``, ``tee``, ``prefix``, ``preload``.
 
     Returns:
         With ``join=True``, the list of return values, index = rank; with
@@ -164,8 +176,11 @@ async def start_processes(
         ProcessHungException: A rank stopped sending heartbeats (``join=True``).
         TypeError: ``fn`` is not callable or cannot be pickled for the start
             method; ``args`` is not a sequence. Raised before any process starts.
-        ValueError: ``nprocs``, ``start_method`` or ``grace_period`` is invalid.
-            Raised before any process starts.
+        ValueError: ``nprocs``, ``start_method``, ``grace_period`` or
+            ``preload`` is invalid. Raised before any process starts.
+        RuntimeError: With ``preload``: the template could not import a
+            module, found threads or CUDA after importing it, or died while
+            starting a rank; started ranks have been stopped and reaped.
         Exception: A rank could not be started (for example ``args`` that
             cannot be pickled); the ranks already started have been stopped
             and reaped, and a note names the rank.
@@ -233,6 +248,11 @@ async def spawn(
 
     Another ``start_method`` is ignored with a :class:`FutureWarning` naming
     :func:`start_processes`, as ``torch.multiprocessing.spawn`` does.
+
+    ``spawn(fn, nprocs=n, preload=["torch"])`` is the warm sibling: one
+    template is spawned and imports ``torch``, and the ranks are forked from
+    it. They keep what ``spawn`` promises (nothing of this process's memory,
+    threads or event loop reaches them) and start in milliseconds.
 
     Args, Returns, Raises and Cancellation: as for :func:`start_processes`.
     """
@@ -325,6 +345,8 @@ async def _start_group(
     if supervision.restart is not None and not isinstance(supervision.restart, RestartPolicy):
         raise TypeError(f"restart must be an aiospawn.RestartPolicy, got {supervision.restart!r}")
     backend = options.get("backend") or LocalBackend()
+    if options.get("preload") and not isinstance(backend, LocalBackend):
+        raise ValueError("preload= forks local ranks from a template; other backends have none")
     output = make_output_spec(
         options.get("stdout", "inherit"),
         options.get("stderr", "inherit"),
@@ -341,6 +363,7 @@ async def _start_group(
         output=output,
         torchrun_env=options.get("torchrun_env", False),
         heartbeats=supervision.watches_heartbeats,
+        preload=options.get("preload"),
         # Other backends ship fn their own way (Ray: cloudpickle, by value).
         check_importable=isinstance(backend, LocalBackend),
     )

@@ -96,6 +96,9 @@ class LaunchSpec:
     output: OutputSpec
     torchrun_env: bool = False
     heartbeats: bool = False
+    #: Modules a warm-start template imports once; the ranks fork from it.
+    #: Empty: ranks start with ``start_method``.
+    preload: tuple[str, ...] = ()
 
 
 def make_spec(
@@ -109,6 +112,7 @@ def make_spec(
     output: OutputSpec,
     torchrun_env: bool = False,
     heartbeats: bool = False,
+    preload: object = None,
     check_importable: bool = True,
 ) -> LaunchSpec:
     """Check a group's arguments before anything starts, and resolve the start method.
@@ -120,7 +124,7 @@ def make_spec(
             ``args`` is not a sequence; ``env`` is
             neither a mapping nor a callable.
         ValueError: ``nprocs`` is not a positive int within :func:`max_nprocs`,
-            or ``start_method`` is unknown.
+            or ``start_method`` is unknown; ``preload`` (see :func:`check_preload`).
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {fn!r}")
@@ -130,8 +134,10 @@ def make_spec(
         raise TypeError(f"env must be a mapping, a callable rank -> mapping, or None, got {env!r}")
     check_nprocs(nprocs)
     method = resolve_start_method(start_method)
-    if check_importable and method != "fork":
-        _check_importable(fn, method)
+    modules = check_preload(preload, start_method)
+    if check_importable and (method != "fork" or modules):
+        # A warm rank receives fn as a forkserver rank does: pickled.
+        _check_importable(fn, "forkserver" if modules else method)
     return LaunchSpec(
         fn=fn,
         args=tuple(args),
@@ -142,7 +148,39 @@ def make_spec(
         output=output,
         torchrun_env=bool(torchrun_env),
         heartbeats=heartbeats,
+        preload=modules,
     )
+
+
+def check_preload(preload: object, start_method: str | None) -> tuple[str, ...]:
+    """Check the ``preload`` option; return the module names, in order, without repeats.
+
+    Warm starts fork each rank from a template spawned for the purpose, so
+    they go with ``spawn`` (the default), ``forkserver`` or ``None``; under
+    ``fork`` the ranks are copies of the supervisor and have nothing to preload.
+
+    Raises:
+        TypeError: ``preload`` is not a list (or tuple) of module names.
+        ValueError: A name is not a dotted module name, or ``start_method`` is ``"fork"``.
+    """
+    if preload is None:
+        return ()
+    if isinstance(preload, str | bytes) or not isinstance(preload, Sequence):
+        raise TypeError(f"preload must be a list of module names, got {preload!r}")
+    names: list[str] = []
+    for name in preload:
+        if not isinstance(name, str):
+            raise TypeError(f"preload must be a list of module names, got {preload!r}")
+        if not all(part.isidentifier() for part in name.split(".")):
+            raise ValueError(f"preload names modules, like 'torch' or 'pkg.model'; got {name!r}")
+        if name not in names:
+            names.append(name)
+    if names and start_method == "fork":
+        raise ValueError(
+            "preload= forks ranks from a spawned template; start_method='fork' copies"
+            " the supervisor instead: use start_method='spawn' (or 'forkserver') with preload"
+        )
+    return tuple(names)
 
 
 def resolve_start_method(start_method: str | None) -> str:

@@ -8,6 +8,10 @@ ranks take about one rank's start time. A ``fork`` start never waits for the
 child; those run on the event-loop thread, one at a time, with a checkpoint
 between them. Each process object exists before its start, and starts are
 never abandoned on cancellation, so no rank can start behind our back.
+
+With ``preload``, a rank's process is a :class:`~._template.WarmProcess`
+forked by a shared template (``_template``); its start blocks too (the
+template may have to import the preload first), so it runs on a thread.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from ._output import RankOutput
 from ._pipes import rank_pipe
 from ._progress import RankProgress
 from ._rank import LocalRank
+from ._template import WarmProcess
 
 if TYPE_CHECKING:
     from aiospawn._core._backend import GroupLauncher, RankHandle
@@ -66,9 +71,11 @@ class LocalLauncher:
         reader, writer = rank_pipe()
         output = RankOutput(spec.output, index, self._capture, restart=restart)
         progress = RankProgress() if spec.heartbeats else None
+        warm = bool(spec.preload)
         setup = RankSetup(
             supervisor_pid=os.getpid(),
-            supervisor_is_parent=spec.start_method != "forkserver",
+            # A warm rank's parent is its template, a forkserver rank's the server.
+            supervisor_is_parent=spec.start_method != "forkserver" and not warm,
             env=env,
             stdout=output.targets["stdout"],
             stderr=output.targets["stderr"],
@@ -76,23 +83,37 @@ class LocalLauncher:
             heartbeat=progress.child_ends[0] if progress else None,
             stacks=progress.child_ends[1] if progress else None,
         )
-        process = context.Process(
-            target=run_rank,
-            args=(spec.fn, index, spec.args, writer, setup),
-            daemon=spec.daemon,
-            name=(
-                f"aiospawn-rank-{index}"
-                if spec.start_method == "fork"
-                else early_environment(f"aiospawn-rank-{index}", setup.env)
-            ),
-        )
+        process: Any
+        if warm:
+            process = WarmProcess(
+                spec.preload,
+                spec.fn,
+                index,
+                spec.args,
+                writer,
+                setup,
+                name=f"aiospawn-rank-{index}",
+                daemon=spec.daemon,
+            )
+        else:
+            process = context.Process(
+                target=run_rank,
+                args=(spec.fn, index, spec.args, writer, setup),
+                daemon=spec.daemon,
+                name=(
+                    f"aiospawn-rank-{index}"
+                    if spec.start_method == "fork"
+                    else early_environment(f"aiospawn-rank-{index}", setup.env)
+                ),
+            )
         return LocalRank(
             index,
             process,
             reader,
             writer,
             output,
-            exit_via_sentinel=spec.start_method == "forkserver",
+            # Both get the exit status from the rank's parent, not from waitpid().
+            exit_via_sentinel=spec.start_method == "forkserver" or warm,
             on_exit=on_exit,
             progress=progress,
         )
@@ -101,7 +122,7 @@ class LocalLauncher:
         """Start ``ranks``, made by :meth:`make_rank`, side by side (see :func:`start_ranks`)."""
         local = [rank for rank in ranks if isinstance(rank, LocalRank)]
         assert len(local) == len(ranks), "a local launcher starts the ranks it made"
-        await start_ranks(local, self._spec.start_method)
+        await start_ranks(local, "warm" if self._spec.preload else self._spec.start_method)
 
     def new_rendezvous(self) -> None:
         """Pick a fresh ``MASTER_PORT``, not the last one, for the next ranks made."""
