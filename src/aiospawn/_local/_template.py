@@ -115,8 +115,10 @@ class Template:
         except BaseException:
             template.stop()
             raise
-        if reply == b"R":
+        if reply.startswith(b"R"):
             logger.debug("warm-start template %s ready, preload %s", process.pid, preload)
+            for note in reply[1:].decode("utf-8", "replace").splitlines():
+                logger.warning("warm-start template %s: %s", process.pid, note)
             return template
         pid = process.pid
         template.stop()

@@ -8,7 +8,7 @@ process is still safe to fork, and answers the supervisor::
 
     supervisor                                  template (one thread)
     ----------                                  ---------------------
-    control socket (SOCK_SEQPACKET) ──────────► b"R" ready, or b"E" + why not
+    control socket (SOCK_SEQPACKET) ◄────────── b"R" ready (+ notes), or b"E" + why not
     b"F" + fds [status end, rank's fds...] ───► fork ──► rank: reads its payload
     status socket (SOCK_STREAM) ◄──────────────  b"P" + pid        from the status end,
                                        ...       runs run_rank()
@@ -45,6 +45,7 @@ import struct
 import sys
 import threading
 import traceback
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -132,7 +133,7 @@ def serve(control: ChildEnd, preload: tuple[str, ...], supervisor_pid: int) -> N
     # decides what it means. The ranks get SIGINT's default back.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=control.fd)
-    refusal = _preload(preload)
+    refusal, notes = _preload(preload)
     if refusal is not None:
         sock.send(b"E" + refusal.encode("utf-8", "replace"))
         return
@@ -141,7 +142,7 @@ def serve(control: ChildEnd, preload: tuple[str, ...], supervisor_pid: int) -> N
     # page by page when a rank's collection touches it (gc.freeze docs).
     gc.collect()
     gc.freeze()
-    sock.send(b"R")
+    sock.send(b"R" + "\n".join(notes).encode("utf-8", "replace"))
     rank = _Loop(sock, supervisor_pid).run()
     if rank is not None:
         # The rank's frames start here, outside the loop's own handlers.
@@ -195,30 +196,56 @@ def _exit_steps() -> None:
         exit_function()
 
 
-def _preload(modules: tuple[str, ...]) -> str | None:
-    """Import ``modules`` one by one; return why forking is now unsafe, or None."""
+def _preload(modules: tuple[str, ...]) -> tuple[str | None, list[str]]:
+    """Import ``modules`` one by one.
+
+    Returns:
+        Why forking is now unsafe (or None), and notes on native threads
+        that the imports left behind.
+    """
+    notes: list[str] = []
+    threads = [1]  # native threads so far: the main thread
+
+    def note_native(what: str) -> None:
+        # Threads of C libraries, which Python does not know of. The common
+        # one is OpenBLAS's pool, started when numpy is imported (torch imports
+        # numpy); OpenBLAS stops and restarts it around fork (pthread_atfork),
+        # and a preloaded multiprocessing fork server forks with it too.
+        # Refusing them would refuse torch wherever numpy is installed.
+        native = _native_threads()
+        if native > threads[0]:
+            notes.append(
+                f"{what} left {native - threads[0]} native thread(s) running (not Python"
+                " threads; OpenBLAS's pool, started by numpy, is one): forked ranks do"
+                " not have them"
+            )
+            threads[0] = native
+
     culprit = _unsafe_state()
     if culprit is not None:
-        return f"the main script ({_main_file()}) {culprit} when the template imported it"
+        return f"the main script ({_main_file()}) {culprit} when the template imported it", notes
+    note_native("the main script")
     for name in modules:
         try:
             importlib.import_module(name)
         except BaseException:
-            return f"preload module {name!r} could not be imported:\n{traceback.format_exc()}"
+            why = f"preload module {name!r} could not be imported:\n{traceback.format_exc()}"
+            return why, notes
         culprit = _unsafe_state()
         if culprit is not None:
-            return f"importing preload module {name!r} {culprit}"
-    return None
+            return f"importing preload module {name!r} {culprit}", notes
+        note_native(f"preload module {name!r}")
+    return None, notes
 
 
 def _unsafe_state() -> str | None:
-    threads = _thread_count()
-    if threads > 1:
+    python_threads = threading.active_count()
+    if python_threads > 1:
         names = [thread.name for thread in threading.enumerate()]
         return (
-            f"started threads ({threads} in the process; Python threads: {names});"
-            " a process with threads cannot be forked safely: start the threads"
-            " in the rank instead, or leave the module out of preload"
+            f"started Python threads ({names}); a process running threads cannot be"
+            " forked safely: start the threads in the rank instead, or leave the"
+            " module out of preload"
         )
     torch = sys.modules.get("torch")
     cuda = getattr(torch, "cuda", None)
@@ -231,14 +258,11 @@ def _unsafe_state() -> str | None:
     return None
 
 
-def _thread_count() -> int:
-    # The kernel's count includes threads Python does not know of (C libraries'
-    # own pools); threading's includes those not running yet.
+def _native_threads() -> int:
     try:
-        native = len(os.listdir("/proc/self/task"))
+        return len(os.listdir("/proc/self/task"))
     except OSError:
-        native = 1
-    return max(native, threading.active_count())
+        return 1
 
 
 def _main_file() -> str:
@@ -290,7 +314,12 @@ class _Loop:
                 status.close()  # the supervisor's start sees end-of-file
             return None
         try:
-            pid = os.fork()
+            with warnings.catch_warnings():
+                # Python 3.12+ warns of native threads at fork (see _preload for
+                # which are left, and why); under -W error the warning would
+                # raise here with the rank already forked.
+                warnings.simplefilter("ignore", DeprecationWarning)
+                pid = os.fork()
         except OSError:
             for fd in fds[1:]:
                 os.close(fd)
