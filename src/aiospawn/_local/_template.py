@@ -329,6 +329,13 @@ class _StatusChannel:
             self.pidfd = None
 
 
+def _dumps(obj: object) -> bytes:
+    # ForkingPickler.dumps returns a view of its buffer; released at once, or
+    # the buffer complains when it is collected (BufferError, Python 3.13).
+    with multiprocessing.reduction.ForkingPickler.dumps(obj) as view:
+        return bytes(view)
+
+
 class WarmProcess:
     """A rank forked by a template, with the parts of ``multiprocessing.Process`` we use.
 
@@ -404,11 +411,11 @@ class WarmProcess:
         collector = FdCollector()
         multiprocessing.context.set_spawning_popen(collector)  # type: ignore[arg-type]
         try:
-            setup = multiprocessing.reduction.ForkingPickler.dumps(self._setup)
-            call = multiprocessing.reduction.ForkingPickler.dumps(self._call)
+            setup = _dumps(self._setup)
+            call = _dumps(self._call)
         finally:
             multiprocessing.context.set_spawning_popen(None)
-        payload = pickle.dumps((bytes(setup), bytes(call)), protocol=pickle.HIGHEST_PROTOCOL)
+        payload = pickle.dumps((setup, call), protocol=pickle.HIGHEST_PROTOCOL)
         template = template_for(self._preload)
         sock, self.pid = template.fork(payload, collector.fds)
         self._popen = _StatusChannel(sock, self.pid)
