@@ -355,3 +355,30 @@ def test_a_template_stays_single_threaded_and_runs_no_user_code_of_its_own() -> 
     )
     assert completed.returncode == 0, completed.stderr
     assert json.loads(completed.stdout) == 1
+
+
+def test_the_launcher_passes_preload_on() -> None:
+    completed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "aiospawn",
+            "run",
+            "-n",
+            "2",
+            "--preload",
+            "decimal,json",
+            "--stdout",
+            "inherit",
+            "tests/cli_programs/show_preloaded.py",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stderr
+    shown = [json.loads(line) for line in completed.stdout.splitlines()]
+    assert [line["preloaded"] for line in shown] == [True, True]
+    assert len({line["ppid"] for line in shown}) == 1  # one template forked both

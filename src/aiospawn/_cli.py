@@ -139,6 +139,14 @@ def _parser() -> argparse.ArgumentParser:
         help="set a variable in every rank (repeatable)",
     )
     run.add_argument(
+        "--preload",
+        type=_module_list,
+        default=None,
+        metavar="MODULES",
+        help="comma-separated modules (torch,mypkg.model) imported once in a template"
+        " that every rank is forked from (warm starts)",
+    )
+    run.add_argument(
         "-v", "--verbose", action="store_true", help="print a summary after a successful run"
     )
     kind = run.add_mutually_exclusive_group()
@@ -260,6 +268,7 @@ class _Plan:
             )
         self.nprocs: int = options.nprocs
         self.start_method: str = options.start_method
+        self.preload: list[str] | None = options.preload
         self.grace_period: float | None = options.grace_period
         self.verbose: bool = options.verbose
         self.fn, self.args, self.name = _target(options)
@@ -279,6 +288,14 @@ class _Plan:
         )
         if self.omp_note:
             self.env = {"OMP_NUM_THREADS": "1", **self.env}
+
+
+def _module_list(text: str) -> list[str]:
+    """``--preload`` value: comma-separated module names."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected module names separated by commas, got {text!r}")
+    return names
 
 
 def _target(options: argparse.Namespace) -> tuple[Callable[..., None], tuple[Any, ...], str]:
@@ -359,6 +376,7 @@ async def _supervise(plan: _Plan) -> int:
                         stdout=plan.stdout,
                         stderr=plan.stderr,
                         tee=plan.tee,
+                        preload=plan.preload,
                     )
                 except (TypeError, ValueError) as exc:  # raised before anything starts
                     run.usage_error = exc
