@@ -244,18 +244,18 @@ async def test_warm_ranks_have_their_streams_env_and_heartbeats() -> None:
 
 
 @pytest.mark.parametrize(
-    ("preload", "start_method", "error"),
+    ("preload", "start_method", "error", "message"),
     [
-        (["json"], "fork", ValueError),
-        ("json", "spawn", TypeError),
-        (["json", 3], "spawn", TypeError),
-        (["not a module"], "spawn", ValueError),
+        (["json"], "fork", ValueError, "start_method='fork' copies the supervisor"),
+        ("json", "spawn", TypeError, "preload must be a list of module names, got 'json'"),
+        (["json", 3], "spawn", TypeError, "preload must be a list of module names"),
+        (["not a module"], "spawn", ValueError, "preload names modules"),
     ],
 )
 async def test_bad_preload_options_are_refused_before_anything_starts(
-    preload: object, start_method: str, error: type[Exception]
+    preload: object, start_method: str, error: type[Exception], message: str
 ) -> None:
-    with pytest.raises(error, match="preload"):
+    with pytest.raises(error, match=re.escape(message)):
         await aiospawn.start_processes(
             warm_ranks.report,
             preload=preload,  # type: ignore[arg-type]
