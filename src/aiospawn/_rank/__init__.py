@@ -14,4 +14,6 @@ clean interpreter.
 - ``wire``: what a rank and its supervisor agree on (the outcome frame, its
   encoders, shared constants).
 - ``programs``: the rank functions behind ``aiospawn run``.
+- ``template``: a warm-start template's own loop (``preload=``): it imports
+  the preload once, then forks ranks that run the same bootstrap.
 """
