@@ -17,6 +17,7 @@ template may have to import the preload first), so it runs on a thread.
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.forkserver
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -57,6 +58,8 @@ class LocalLauncher:
     """Makes and starts the local ranks of one group (see ``_backend.GroupLauncher``)."""
 
     def __init__(self, spec: LaunchSpec, capture: CaptureBuffer | None) -> None:
+        if spec.start_method == "forkserver" and not spec.preload:
+            preload_bootstrap_in_forkserver()
         self._spec = spec
         self._capture = capture
         self._master_port: int | None = None
@@ -141,6 +144,24 @@ class LocalLauncher:
             assert self._master_port is not None
             torchrun = torchrun_environment(index, spec.nprocs, restart, self._master_port)
         return rank_environment(spec, index, restart, torchrun)
+
+
+#: The module every forkserver rank would otherwise import for itself.
+_BOOTSTRAP = "aiospawn._rank.bootstrap"
+
+
+def preload_bootstrap_in_forkserver() -> None:
+    """Have the fork server, when it starts, import the rank bootstrap once for all ranks.
+
+    Each forkserver rank otherwise imports it (and ``typing``) for itself:
+    8 trivial ranks took 126 ms rather than 69 ms here. The user's own preload
+    list is kept, and nothing changes once the server runs. The list lives in
+    a private attribute (stable since Python 3.4); without it, nothing is done.
+    """
+    server = getattr(multiprocessing.forkserver, "_forkserver", None)
+    modules = getattr(server, "_preload_modules", None)
+    if isinstance(modules, list) and _BOOTSTRAP not in modules:
+        multiprocessing.forkserver.set_forkserver_preload([*modules, _BOOTSTRAP])
 
 
 async def start_ranks(ranks: Sequence[LocalRank], start_method: str) -> None:
