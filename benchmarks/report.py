@@ -249,6 +249,25 @@ def checks(results: dict[str, ScenarioResult]) -> list[Check]:
             ("launcher >= 5x faster than torchrun", "torchrun", lambda a, b: 5 * a <= b),
         ],
     )
+    if "warm" in results:
+        case, metric = "8 torch ranks", "all running [ms]"
+        ours = _median(results, "warm", case, metric, "aiospawn")
+        for target, peer, passes in (
+            ("warm start >= 30x faster than torch spawn", "torch", lambda a, b: 30 * a <= b),
+            (
+                "warm start within 1.2x of a preloaded multiprocessing forkserver",
+                "multiprocessing forkserver + preload",
+                lambda a, b: a <= 1.2 * b,
+            ),
+        ):
+            theirs = _median(results, "warm", case, metric, peer)
+            found.append(_ratio_check(target, case, ours, theirs, passes, peer))
+        restart = _median(
+            results, "warm", "restart", "failure to restarted run's first line [ms]", "aiospawn"
+        )
+        found.append(
+            _bound_check("warm restart of a torch rank < 100 ms", "restart", restart, 100.0, "ms")
+        )
     return found
 
 

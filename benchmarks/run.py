@@ -27,6 +27,7 @@ SCENARIOS = {
     "scale": ("bench_start", "scale", "Scale"),
     "supervision": ("bench_supervision", "supervision", "Heartbeats, hang detection, restarts"),
     "cli": ("bench_cli", "cli", "The `aiospawn run` launcher"),
+    "warm": ("bench_warm", "warm", "Warm starts: torch ranks forked from a preloaded template"),
     "ray": ("bench_ray", "ray_backend", "Ray backend against local ranks"),
 }
 

@@ -68,3 +68,34 @@ def write_stamp(outdir: str, name: str, value: float) -> None:
     with open(partial, "w") as file:
         file.write(repr(value))
     os.rename(partial, path)
+
+
+def torch_entry(rank: int, outdir: str) -> float:
+    """A rank whose first line is ``import torch``; then it records its entry."""
+    import torch  # noqa: F401  (the point: what a real rank pays first)
+
+    return record_entry(rank, outdir)
+
+
+def torch_entry_then_sleep(rank: int, outdir: str) -> None:
+    """:func:`torch_entry`, then sleep until a signal ends the process (memory is measured)."""
+    torch_entry(rank, outdir)
+    while True:
+        time.sleep(3600)
+
+
+def torch_fail_then_restart(rank: int, outdir: str) -> float:
+    """``import torch``; on its first run rank 1 stamps ``fail`` and exits 1.
+
+    The restarted run records ``restarted`` at the entry, after its ``import torch``.
+    """
+    import torch  # noqa: F401
+
+    restart = int(os.environ.get("AIOSPAWN_RESTART_COUNT", "0"))
+    if rank == 1 and restart == 0:
+        fd = os.open(os.path.join(outdir, FAIL_STAMP), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.write(fd, repr(time.monotonic()).encode())
+        os._exit(1)
+    if rank == 1:
+        write_stamp(outdir, "restarted", time.monotonic())
+    return time.monotonic()

@@ -49,6 +49,12 @@ EXPECTED = {
         "rank 1: run 1, resuming at step 3",
         "results: [6, 6]; restarts: 1",
     ],
+    "warm_start.py": [
+        "rank 0: run 0, preloaded: True",
+        "rank 1: run 1, preloaded: True",
+        "every rank and the restart forked from one template: True",
+        "a later group reuses it: True",
+    ],
     "hang_detection.py": [
         "rank 1 (pid",
         "is hung: it sent no heartbeat for",

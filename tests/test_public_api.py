@@ -114,7 +114,7 @@ def modules_loaded_by(statement: str) -> set[str]:
 def test_the_rank_side_package_imports_the_standard_library_only() -> None:
     loaded = modules_loaded_by(
         "import aiospawn._rank.bootstrap, aiospawn._rank.api, aiospawn._rank.wire,"
-        " aiospawn._rank.programs"
+        " aiospawn._rank.programs, aiospawn._rank.template"
     )
     ours = {name for name in loaded if name.split(".")[0] == "aiospawn"}
     assert ours == {
@@ -124,6 +124,7 @@ def test_the_rank_side_package_imports_the_standard_library_only() -> None:
         "aiospawn._rank.bootstrap",
         "aiospawn._rank.descendants",
         "aiospawn._rank.programs",
+        "aiospawn._rank.template",
         "aiospawn._rank.wire",
     }
     foreign = {

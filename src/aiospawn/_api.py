@@ -84,6 +84,17 @@ class GroupOptions(TypedDict, total=False):
             they are split evenly over the ranks. Local processes only.
         prefix: The template of the line prefix, with ``{rank}``, ``{pid}`` and
             ``{restart}``; default ``"[rank{rank}]: "``.
+        preload: Warm starts: module names (``["torch", "mypkg.model"]``) that
+            a template process imports once; every rank, and every restart, is
+            then forked from it and finds them imported. The template is spawned
+            (a fresh interpreter with this process's ``sys.path``, ``sys.argv``
+            and main script, as under ``forkserver``), shared by the groups of
+            this process with the same list, ``sys.path`` and environment, and
+            stopped when this process exits. It refuses, with
+            :class:`RuntimeError`, a preload that leaves threads running or
+            CUDA initialised. With ``spawn`` (the default) or ``forkserver``;
+            not with ``fork``. Preloaded modules see the template's environment
+            and ``sys.argv``, not a rank's ``env`` (the docs' warm-starts page).
     """
 
     grace_period: float | None
@@ -99,6 +110,7 @@ class GroupOptions(TypedDict, total=False):
     prefix: str
     devices_per_rank: int | None
     devices: Sequence[int | str] | None
+    preload: Sequence[str] | None
 
 
 @overload
@@ -173,7 +185,7 @@ async def start_processes(
             ``grace_period``, ``env``, ``torchrun_env``, ``restart``,
             ``heartbeat_timeout``, ``startup_timeout``, ``backend``,
             ``stdout``, ``stderr``, ``tee``, ``prefix``, ``devices_per_rank``,
-            ``devices``.
+            ``devices``, ``preload``.
 
     Returns:
         With ``join=True``, the list of return values, index = rank; with
@@ -196,8 +208,11 @@ async def start_processes(
             not a regular file of ours, or has other hard links; the devices
             asked for do not fit (``devices_per_rank`` times ``nprocs`` is more
             than ``devices``); ``stdout``/``stderr`` is ``"capture"`` with
-            ``join=True`` (nobody could read the lines). Raised before any
-            process starts.
+            ``join=True`` (nobody could read the lines); ``preload`` is bad.
+            Raised before any process starts.
+        RuntimeError: With ``preload``: the template could not import a
+            module, found threads or CUDA after importing it, or died while
+            starting a rank; started ranks have been stopped and reaped.
         Exception: A rank could not be started (for example ``args`` that
             cannot be pickled); the ranks already started have been stopped
             and reaped, and a note names the rank.
@@ -268,6 +283,11 @@ async def spawn(
 
     Another ``start_method`` is ignored with a :class:`FutureWarning` naming
     :func:`start_processes`, as ``torch.multiprocessing.spawn`` does.
+
+    ``spawn(fn, nprocs=n, preload=["torch"])`` is the warm sibling: one
+    template is spawned and imports ``torch``, and the ranks are forked from
+    it. They keep what ``spawn`` promises (nothing of this process's memory,
+    threads or event loop reaches them) and start in milliseconds.
 
     Args, Returns, Raises and Cancellation: as for :func:`start_processes`.
     """
@@ -367,6 +387,8 @@ async def _start_group(
     if supervision.restart is not None and not isinstance(supervision.restart, RestartPolicy):
         raise TypeError(f"restart must be an aiospawn.RestartPolicy, got {supervision.restart!r}")
     backend = options.get("backend") or LocalBackend()
+    if options.get("preload") and not isinstance(backend, LocalBackend):
+        raise ValueError("preload= forks local ranks from a template; other backends have none")
     output = make_output_spec(
         options.get("stdout", default_stream_mode()),
         options.get("stderr", default_stream_mode()),
@@ -383,6 +405,7 @@ async def _start_group(
         output=output,
         torchrun_env=options.get("torchrun_env", False),
         heartbeats=supervision.watches_heartbeats,
+        preload=options.get("preload"),
         # Other backends ship fn their own way (Ray: cloudpickle, by value).
         check_importable=isinstance(backend, LocalBackend),
         devices_per_rank=options.get("devices_per_rank"),

@@ -293,6 +293,14 @@ def parser() -> argparse.ArgumentParser:
         " a secret out of the command line",
     )
     ranks.add_argument(
+        "--preload",
+        type=_module_list,
+        default=None,
+        metavar="MODULES",
+        help="comma-separated modules (torch,mypkg.model) imported once in a template"
+        " that every rank is forked from (warm starts)",
+    )
+    ranks.add_argument(
         "--devices-per-rank",
         type=_count,
         default=None,
@@ -563,6 +571,14 @@ def _stream_mode(text: str) -> str:
     if not text:
         raise argparse.ArgumentTypeError("wants prefix, inherit, devnull or a directory")
     return text
+
+
+def _module_list(text: str) -> list[str]:
+    """``--preload`` value: comma-separated module names."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected module names separated by commas, got {text!r}")
+    return names
 
 
 def _env_pair(text: str) -> tuple[str, str]:

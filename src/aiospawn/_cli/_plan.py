@@ -60,6 +60,7 @@ class Plan:
             )
         self.nprocs: int = options.nprocs
         self.start_method: str = options.start_method
+        self.preload: list[str] | None = options.preload
         self.grace_period = _grace_period(options)
         self.heartbeat_timeout: float | None = options.heartbeat_timeout
         self.startup_timeout: float | None = options.startup_timeout

@@ -110,6 +110,8 @@ def _options(plan: Plan, error_files: str | None) -> GroupOptions:
         "devices": plan.devices,
         "backend": _backend(plan),
     }
+    if plan.preload:
+        options["preload"] = plan.preload
     return options
 
 

@@ -207,6 +207,9 @@ class LaunchSpec:
     devices_per_rank: int | None = None
     #: ``fn`` must reach the ranks by value (see :func:`needs_value`).
     fn_by_value: bool = False
+    #: Modules a warm-start template imports once; the ranks fork from it.
+    #: Empty: ranks start with ``start_method``.
+    preload: tuple[str, ...] = ()
 
 
 def make_spec(
@@ -220,6 +223,7 @@ def make_spec(
     output: OutputSpec,
     torchrun_env: bool = False,
     heartbeats: bool = False,
+    preload: object = None,
     check_importable: bool = True,
     devices_per_rank: int | None = None,
     devices: Sequence[int | str] | None = None,
@@ -237,6 +241,7 @@ def make_spec(
             name or value no environment can (see :func:`check_environment`);
             a rank's output option is bad, or the devices asked for do not fit
             (see :func:`assign_devices`).
+            ``preload`` is bad (see :func:`check_preload`).
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {fn!r}")
@@ -267,7 +272,13 @@ def make_spec(
     else:
         assigned = None
     # A fork rank inherits fn as it is: nothing is pickled.
-    by_value = check_importable and method != "fork" and _check_importable(fn, method)
+    modules = check_preload(preload, start_method)
+    # A warm rank receives fn as a forkserver rank does: pickled.
+    by_value = (
+        check_importable
+        and (method != "fork" or bool(modules))
+        and _check_importable(fn, "forkserver" if modules else method)
+    )
     return LaunchSpec(
         fn=fn,
         args=tuple(args),
@@ -281,6 +292,7 @@ def make_spec(
         devices=assigned,
         devices_per_rank=devices_per_rank,
         fn_by_value=by_value,
+        preload=modules,
     )
 
 
@@ -334,6 +346,37 @@ def assign_devices(
             " or name the devices to use"
         )
     return tuple(tuple(pool[rank * per_rank : (rank + 1) * per_rank]) for rank in range(nprocs))
+
+
+def check_preload(preload: object, start_method: str | None) -> tuple[str, ...]:
+    """Check the ``preload`` option; return the module names, in order, without repeats.
+
+    Warm starts fork each rank from a template spawned for the purpose, so
+    they go with ``spawn`` (the default), ``forkserver`` or ``None``; under
+    ``fork`` the ranks are copies of the supervisor and have nothing to preload.
+
+    Raises:
+        TypeError: ``preload`` is not a list (or tuple) of module names.
+        ValueError: A name is not a dotted module name, or ``start_method`` is ``"fork"``.
+    """
+    if preload is None:
+        return ()
+    if isinstance(preload, str | bytes) or not isinstance(preload, Sequence):
+        raise TypeError(f"preload must be a list of module names, got {preload!r}")
+    names: list[str] = []
+    for name in preload:
+        if not isinstance(name, str):
+            raise TypeError(f"preload must be a list of module names, got {preload!r}")
+        if not all(part.isidentifier() for part in name.split(".")):
+            raise ValueError(f"preload names modules, like 'torch' or 'pkg.model'; got {name!r}")
+        if name not in names:
+            names.append(name)
+    if names and start_method == "fork":
+        raise ValueError(
+            "preload= forks ranks from a spawned template; start_method='fork' copies"
+            " the supervisor instead: use start_method='spawn' (or 'forkserver') with preload"
+        )
+    return tuple(names)
 
 
 def resolve_start_method(start_method: str | None) -> str:

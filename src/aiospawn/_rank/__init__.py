@@ -17,4 +17,6 @@ clean interpreter.
 - ``descendants``: the processes a rank started, wherever they went: found
   through ``/proc`` and killed when the rank ends (the supervisor uses it to
   signal them too).
+- ``template``: a warm-start template's own loop (``preload=``): it imports
+  the preload once, then forks ranks that run the same bootstrap.
 """

@@ -1,0 +1,386 @@
+"""Warm starts (``preload=``): ranks forked from a template that imported modules once.
+
+Every test here stops the templates it started (``stop_all``) before the leak
+checks run, so a template shared across groups is never taken for a leak.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+import aiospawn
+from aiospawn._local import _template
+from tests import ranks, warm_ranks
+from tests.helpers import is_gone, receive_ready, tripwire, wait_until
+from tests.test_child import CRASH_MATRIX, Row
+from tests.test_launch import _read_line_within, is_alive
+
+pytestmark = pytest.mark.anyio
+
+ROOT = Path(__file__).resolve().parent.parent
+COUNTED = warm_ranks.COUNTED
+
+
+@pytest.fixture(autouse=True)
+def _stop_templates() -> Iterator[None]:
+    yield
+    _template.stop_all()
+
+
+@pytest.fixture
+def scratch() -> Iterator[Path]:
+    """A directory removed after the test (tmp_path would outlive it in the temp dir)."""
+    with tempfile.TemporaryDirectory() as path:
+        yield Path(path)
+
+
+@pytest.fixture
+def import_log(scratch: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The file ``tests.warm_modules.counted`` appends its importer's pid to."""
+    log = scratch / "imports.log"
+    log.touch()
+    monkeypatch.setenv("WARM_IMPORT_LOG", str(log))
+    return log
+
+
+def importers(log: Path) -> list[int]:
+    return [int(line) for line in log.read_text().split()]
+
+
+def only_template() -> int:
+    [pid] = _template.running_templates()
+    return pid
+
+
+async def test_a_preloaded_module_is_imported_once_and_every_rank_has_it(
+    import_log: Path,
+) -> None:
+    first = await aiospawn.start_processes(warm_ranks.report, nprocs=3, preload=[COUNTED])
+    second = await aiospawn.spawn(warm_ranks.report, nprocs=2, preload=[COUNTED])
+    template = only_template()
+    # One import in all, in the template; five ranks of two groups found it done.
+    assert importers(import_log) == [template]
+    for report in first + second:
+        assert report["preloaded"] is True
+        assert report["imported_in"] == template != report["pid"]
+        assert report["ppid"] == template
+    assert [r["rank"] for r in first] == [0, 1, 2]
+    assert [r["rank"] for r in second] == [0, 1]
+
+
+async def test_preloaded_modules_read_the_template_environment_not_the_rank_env(
+    import_log: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WARM_PROBE", "supervisor")
+    [report] = await aiospawn.start_processes(
+        warm_ranks.report, preload=[COUNTED], env={"WARM_PROBE": "rank"}
+    )
+    assert (report["probe_at_import"], report["probe_now"]) == ("supervisor", "rank")
+    # Another environment is another template: its imports see the new value.
+    monkeypatch.setenv("WARM_PROBE", "changed")
+    [report] = await aiospawn.start_processes(warm_ranks.report, preload=[COUNTED])
+    assert report["probe_at_import"] == "changed"
+    assert len(importers(import_log)) == 2
+
+
+async def test_restarts_fork_from_the_same_warm_template(import_log: Path) -> None:
+    results = await aiospawn.start_processes(
+        warm_ranks.fail_first_run,
+        nprocs=2,
+        preload=[COUNTED],
+        restart=aiospawn.RestartPolicy(max_restarts=1, strategy="one_for_one"),
+    )
+    template = only_template()
+    assert importers(import_log) == [template]
+    assert [r["restart"] for r in results] == [0, 1]
+    assert all(r["ppid"] == r["imported_in"] == template for r in results)
+
+
+async def test_a_template_killed_while_its_ranks_run_fails_them_and_is_replaced(
+    import_log: Path, events: tuple[object, object]
+) -> None:
+    reader, writer = events
+    ctx = await aiospawn.start_processes(
+        warm_ranks.ready_then_wait,
+        (writer,),
+        nprocs=2,
+        join=False,
+        preload=[COUNTED],
+        grace_period=1,
+    )
+    killed = only_template()
+    await receive_ready(reader, 2)  # type: ignore[arg-type]
+    os.kill(killed, signal.SIGKILL)
+    with (
+        tripwire(60, "join() of ranks whose template was SIGKILLed"),
+        pytest.raises(aiospawn.ProcessExitedException) as info,
+    ):
+        await ctx.join()
+    # The ranks died with their template (their status died with it too).
+    assert info.value.signal_name == "SIGKILL"
+    # Reparented when the template died, so not ours to reap: gone or a zombie.
+    assert wait_until(lambda: all(map(is_gone, ctx.pids())))
+    [report] = await aiospawn.start_processes(warm_ranks.report, preload=[COUNTED])
+    assert report["ppid"] == only_template() != killed
+    assert importers(import_log) == [killed, report["ppid"]]
+
+
+def test_a_start_on_a_dead_template_fails_clearly_and_the_next_start_replaces_it() -> None:
+    template = _template.Template.start(("json",))
+    template.process.kill()
+    template.process.join()
+    with pytest.raises(_template.TemplateError, match=r"template \(pid \d+\) died .*new template"):
+        template.fork(b"", [])
+    template.stop()
+
+
+async def test_a_template_that_dies_while_importing_fails_the_start() -> None:
+    with pytest.raises(
+        RuntimeError,
+        match=r"exited with exit code 3 while importing preload=\['tests.warm_modules.exits'\]",
+    ):
+        await aiospawn.start_processes(warm_ranks.report, preload=["tests.warm_modules.exits"])
+    assert _template.running_templates() == []
+
+
+async def test_a_template_killed_between_groups_is_started_again(import_log: Path) -> None:
+    await aiospawn.start_processes(warm_ranks.report, preload=[COUNTED])
+    killed = only_template()
+    os.kill(killed, signal.SIGKILL)
+    assert wait_until(lambda: psutil.Process(killed).status() == psutil.STATUS_ZOMBIE)
+    [report] = await aiospawn.start_processes(warm_ranks.report, preload=[COUNTED])
+    assert report["ppid"] == only_template() != killed
+    assert importers(import_log) == [killed, report["ppid"]]
+
+
+@pytest.mark.parametrize(
+    ("module", "why"),
+    [
+        pytest.param("tests.warm_modules.threaded", "started Python threads", id="threads"),
+        pytest.param("tests.warm_modules.fake_cuda", "initialised CUDA", id="cuda"),
+    ],
+)
+async def test_a_preload_that_makes_forking_unsafe_is_refused_naming_the_module(
+    module: str, why: str
+) -> None:
+    with pytest.raises(RuntimeError) as info:
+        await aiospawn.start_processes(warm_ranks.report, nprocs=2, preload=["json", module])
+    message = str(info.value)
+    assert message.startswith(f"warm starts refused: importing preload module {module!r} {why}")
+    assert "leave the module out of preload" in message
+    assert _template.running_templates() == []
+
+
+@pytest.mark.parametrize("row", [pytest.param(row, id=row.behaviour) for row in CRASH_MATRIX])
+async def test_crash_matrix_under_preload(row: Row) -> None:
+    failing = None if row.raises is None else 1
+    ctx = await aiospawn.start_processes(
+        ranks.crash_row,
+        (row.behaviour, failing),
+        nprocs=2,
+        join=False,
+        preload=["json"],
+        grace_period=0.2,
+    )
+    pids = ctx.pids()
+    if row.raises is None:
+        with tripwire(60, f"join() of warm ranks that did {row.behaviour}"):
+            assert await ctx.join() is True
+        assert ctx.results == list(row.results)
+        assert [p.exitcode for p in ctx.processes] == [0, 0]
+    else:
+        with (
+            tripwire(60, f"join() of a warm group whose rank 1 did {row.behaviour}"),
+            pytest.raises(row.raises) as info,
+        ):
+            await ctx.join()
+        error = info.value
+        assert type(error) is row.raises
+        assert (error.error_index, error.error_pid) == (1, pids[1])
+        assert re.fullmatch(row.message, error.msg, re.DOTALL), error.msg
+        if isinstance(error, aiospawn.ProcessExitedException):
+            assert (error.exit_code, error.signal_name) == (row.exit_code, row.signal_name)
+        if row.cause is not None:
+            row.cause(error.__cause__, error.msg)
+        # A row may say what the process's own status is, when it differs.
+        status = getattr(row, "process_exit_code", None)
+        assert ctx.processes[1].exitcode == (row.exit_code if status is None else status)
+        assert ctx.processes[0].exitcode == -signal.SIGTERM
+    for pid in pids:
+        assert not psutil.pid_exists(pid), f"rank pid {pid} was not reaped"
+
+
+async def test_warm_ranks_have_their_streams_env_and_heartbeats() -> None:
+    ctx = await aiospawn.start_processes(
+        warm_ranks.say_and_beat,
+        nprocs=2,
+        join=False,
+        preload=["json"],
+        stdout="capture",
+        stderr="capture",
+        heartbeat_timeout=60,
+    )
+    with tripwire(60, "join() of warm ranks that print and beat"):
+        await ctx.join()
+    assert ctx.results == [0, 1]
+    with tripwire(30, "reading the captured lines of ranks that ended"):
+        lines = {(item.rank, item.stream, item.line) async for item in ctx.output()}
+    assert lines == {
+        (rank, stream, f"{name} from rank {rank}")
+        for rank in (0, 1)
+        for stream, name in (("stdout", "out"), ("stderr", "err"))
+    }
+
+
+@pytest.mark.parametrize(
+    ("preload", "start_method", "error", "message"),
+    [
+        (["json"], "fork", ValueError, "start_method='fork' copies the supervisor"),
+        ("json", "spawn", TypeError, "preload must be a list of module names, got 'json'"),
+        (["json", 3], "spawn", TypeError, "preload must be a list of module names"),
+        (["not a module"], "spawn", ValueError, "preload names modules"),
+    ],
+)
+async def test_bad_preload_options_are_refused_before_anything_starts(
+    preload: object, start_method: str, error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=re.escape(message)):
+        await aiospawn.start_processes(
+            warm_ranks.report,
+            preload=preload,  # type: ignore[arg-type]
+            start_method=start_method,
+        )
+    assert _template.running_templates() == []
+
+
+def run_main_script(start: str, extra: Path) -> list[dict[str, object]]:
+    completed = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "warm_main_script.py"), start, str(extra)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stderr
+    results: list[dict[str, object]] = json.loads(completed.stdout.splitlines()[-1])
+    return results
+
+
+def test_main_script_and_sys_path_behave_as_under_forkserver(scratch: Path) -> None:
+    (scratch / "extra_module.py").write_text("VALUE = 'found'\n")
+    warm = run_main_script("warm", scratch)
+    forkserver = run_main_script("forkserver", scratch)
+    # Where the script's top level ran differs: once, in the template, for
+    # warm ranks; under forkserver in every rank up to Python 3.13.7 (its
+    # __main__ preload changed in 3.13.8). sys.argv too: the template has the
+    # script's, as a spawn child does; a fork server's changed in 3.13.8.
+    assert warm[0]["argv"] == ["warm", str(scratch)]
+    assert all(result["main_ran_here"] is False for result in warm)
+    for result in (*warm, *forkserver):
+        del result["argv"], result["main_ran_here"]
+    assert warm == forkserver
+    assert warm[0] == {
+        "main_name": "__mp_main__",
+        "fn_module": "__mp_main__",
+        "same_main": True,
+        "main_file": "warm_main_script.py",
+        "extra_on_path": True,
+        "extra_module": "found",
+    }
+
+
+def test_a_sigkilled_supervisor_leaves_no_template_and_no_rank(anyio_backend: str) -> None:
+    command = [sys.executable, "-m", "tests.warm_supervisor", anyio_backend]
+    descendants: list[psutil.Process] = []
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        subprocess.Popen(
+            command,
+            cwd=ROOT,
+            env={**os.environ, "TMPDIR": tmp},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        ) as supervisor,
+    ):
+        try:
+            pids = json.loads(_read_line_within(supervisor, 60))["pids"]
+            descendants = psutil.Process(supervisor.pid).children(recursive=True)
+            templates = {psutil.Process(pid).ppid() for pid in pids}
+            assert len(templates) == 1
+            assert supervisor.pid not in templates
+            assert {*pids, *templates} <= {p.pid for p in descendants}
+            os.kill(supervisor.pid, signal.SIGKILL)
+            assert supervisor.wait(30) == -signal.SIGKILL
+            assert wait_until(lambda: not any(map(is_alive, descendants)), 5.0), (
+                "still running 5 s after their supervisor was SIGKILLed: "
+                f"{sorted(p.pid for p in descendants if is_alive(p))}"
+                f" (ranks: {pids}, template: {templates})"
+            )
+        finally:
+            if supervisor.poll() is None:
+                supervisor.stdin.close()  # type: ignore[union-attr]
+                supervisor.wait(60)
+            for process in descendants:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    process.kill()
+
+
+def test_a_template_stays_single_threaded_and_runs_no_user_code_of_its_own() -> None:
+    # What the template holds once ready: the preload, our rank side, one thread.
+    code = textwrap.dedent(
+        """
+        import json, os, sys
+        from aiospawn._local import _template
+        t = _template.Template.start(("json",))
+        tasks = os.listdir(f"/proc/{t.process.pid}/task")
+        print(json.dumps(len(tasks)))
+        t.stop()
+        """
+    )
+    completed = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert json.loads(completed.stdout) == 1
+
+
+def test_the_launcher_passes_preload_on() -> None:
+    completed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "aiospawn",
+            "run",
+            "-n",
+            "2",
+            "--preload",
+            "decimal,json",
+            "--stdout",
+            "inherit",
+            "tests/cli_programs/show_preloaded.py",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stderr
+    shown = [json.loads(line) for line in completed.stdout.splitlines()]
+    assert [line["preloaded"] for line in shown] == [True, True]
+    assert len({line["ppid"] for line in shown}) == 1  # one template forked both
