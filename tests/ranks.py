@@ -249,15 +249,22 @@ def watch_fork_grandchild(rank: int, events: Any, supervisor: int, outcome: str)
     """
     import select
 
+    # The rank goes on only once the grandchild has left its process group:
+    # otherwise the rank's exit could come first, and the group kill with it.
+    left, has_left = os.pipe()
     grandchild = os.fork()
     if grandchild == 0:
         try:
             os.setsid()
+            os.write(has_left, b"!")
             poller = select.poll()
             poller.register(os.pidfd_open(supervisor), select.POLLIN)
             poller.poll(30_000)
         finally:
             os._exit(0)
+    os.close(has_left)
+    os.read(left, 1)
+    os.close(left)
     events.send(grandchild)
     if outcome == "exit":
         os._exit(5)
