@@ -273,6 +273,10 @@ def make_spec(
         assigned = None
     # A fork rank inherits fn as it is: nothing is pickled.
     modules = check_preload(preload, start_method)
+    if modules and start_method is None:
+        # The platform's default may be fork, which has nothing to preload; a
+        # warm rank comes from a spawned template, the spawn way.
+        method = "spawn"
     # A warm rank receives fn as a forkserver rank does: pickled.
     by_value = (
         check_importable

@@ -129,7 +129,7 @@ class LocalLauncher:
             # A warm rank ends as a forkserver rank does (os._exit after the exit steps).
             start_method="forkserver" if warm else spec.start_method,
             # The live table: a fork copies it as it is at that moment.
-            inherited=_pipes.held() if spec.start_method == "fork" else None,
+            inherited=_pipes.held() if spec.start_method == "fork" and not warm else None,
         )
         name = f"aiospawn-rank-{index}"
         process: Any

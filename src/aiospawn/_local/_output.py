@@ -174,7 +174,7 @@ class StreamReader:
         for flush in self._flushes:
             try:
                 flush()
-            except OSError as exc:
+            except Exception as exc:  # OSError, or ValueError of a closed stream
                 self._flushes.remove(flush)
                 logger.warning("Stopped flushing a rank's %s: %s", self.name, exc)
 
@@ -182,9 +182,10 @@ class StreamReader:
         for sink in list(self._sinks):
             try:
                 sink(line)
-            except OSError as exc:
-                # A closed terminal or pipe, a full disk: the output is lost,
-                # the supervision must go on.
+            except Exception as exc:
+                # A closed terminal or pipe, a full disk, a stream closed by the
+                # program (ValueError) or one that cannot encode the line: the
+                # output is lost, the supervision must go on.
                 self._sinks.remove(sink)
                 logger.warning("Stopped copying a rank's %s: %s", self.name, exc)
         if self.name == "stderr":

@@ -39,6 +39,11 @@ def close(fd: int) -> None:
     os.close(fd)
 
 
+def forget(fd: int) -> None:
+    """Drop ``fd`` from the table, before something else (a socket object) closes it."""
+    _held.pop(fd, None)
+
+
 def rank_pipe() -> tuple[int, ChildEnd]:
     """Make a pipe for a rank to write into: ``(our read end, the rank's write end)``.
 

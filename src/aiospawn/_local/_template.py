@@ -36,10 +36,13 @@ import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from aiospawn._core._errors import describe_exit
 from aiospawn._core._log import logger
 from aiospawn._rank.bootstrap import RankSetup
 from aiospawn._rank.template import MAX_FDS, PAYLOAD_SIZE, STATUS, FdCollector, serve
 from aiospawn._rank.wire import ChildEnd
+
+from . import _pipes
 
 #: Seconds a template may take to exit once its control socket is closed.
 STOP_PATIENCE = 5.0
@@ -91,6 +94,9 @@ class Template:
                 process unsafe to fork (threads, CUDA), or the template died.
         """
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        # In the table of what a fork rank drops (_pipes): the template's
+        # control socket and sentinel are the supervisor's, not a rank's.
+        _pipes.track(ours.fileno())
         # A fresh interpreter, as spawn gives a rank: nothing of this process's
         # threads, event loop or memory; its sys.path, argv and main script.
         context: Any = multiprocessing.get_context("spawn")
@@ -102,10 +108,12 @@ class Template:
         try:
             process.start()
         except BaseException:
+            _pipes.forget(ours.fileno())
             ours.close()
             raise
         finally:
             theirs.close()
+        _pipes.track(process.sentinel)
         # Ours to reap, and ours to stop: not multiprocessing's to join at exit
         # (cpython#148318 for why no other thread may reap it either).
         multiprocessing.process._children.discard(process)  # type: ignore[attr-defined]
@@ -153,6 +161,7 @@ class Template:
                 f" (pipes, connections, queues), got {len(fds)}"
             )
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        _pipes.track(ours.fileno())
         try:
             with self._lock:
                 if self._closed:
@@ -170,6 +179,7 @@ class Template:
             assert kind == b"P", kind
         except BaseException:
             theirs.close()
+            _pipes.forget(ours.fileno())
             ours.close()
             raise
         return ours, pid
@@ -180,12 +190,14 @@ class Template:
             return
         with self._lock:
             self._closed = True
+            _pipes.forget(self._control.fileno())
             self._control.close()  # end-of-file: the template exits
         self.process.join(STOP_PATIENCE)
         if self.process.exitcode is None:
             self.process.kill()
             self.process.join()
         self.exit_code = self.process.exitcode
+        _pipes.forget(self.process.sentinel)
         self.process.close()
 
     def _receive_reply(self) -> bytes:
@@ -223,12 +235,7 @@ class Template:
 
 
 def _describe(exit_code: int | None) -> str:
-    if exit_code is None:
-        return "exit status unknown"
-    if exit_code < 0:
-        with contextlib.suppress(ValueError):
-            return f"signal {signal.Signals(-exit_code).name}"
-    return f"exit code {exit_code}"
+    return "exit status unknown" if exit_code is None else describe_exit(exit_code)
 
 
 _templates: dict[TemplateKey, Template] = {}
@@ -290,7 +297,7 @@ class _StatusChannel:
         sock.setblocking(False)
         self.pidfd: int | None = None
         with contextlib.suppress(OSError):
-            self.pidfd = os.pidfd_open(pid)
+            self.pidfd = _pipes.track(os.pidfd_open(pid))
         self.closed = False
         #: True once the status socket gave end-of-file with no status: the template died.
         self.eof = False
@@ -323,9 +330,10 @@ class _StatusChannel:
         if self.closed:
             return
         self.closed = True
+        _pipes.forget(self.fd)
         self.sock.close()
         if self.pidfd is not None:
-            os.close(self.pidfd)
+            _pipes.close(self.pidfd)
             self.pidfd = None
 
 

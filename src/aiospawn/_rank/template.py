@@ -119,10 +119,12 @@ class _Rank(NamedTuple):
 def serve(control: ChildEnd, preload: tuple[str, ...], supervisor_pid: int) -> None:
     """The template's life: preload, check, then fork ranks until the supervisor goes.
 
-    ``multiprocessing`` runs this as the target of the spawned template. In a
-    forked rank it returns only after the rank's ``fn`` has run: the rank then
-    ends as any ``spawn`` rank does, through the ``multiprocessing`` bootstrap
-    that called us.
+    ``multiprocessing`` runs this as the target of the spawned template. A
+    forked rank never returns from it: it ends in ``run_rank`` as a forkserver
+    rank does, with multiprocessing's exit steps and then ``os._exit``. An
+    interpreter shutdown would finalise every preloaded module in every rank
+    (about a second each with torch, measured on 2 cores), and the rank has
+    reported its outcome by then.
 
     Args:
         control: The template's end of the control socket.
@@ -146,54 +148,10 @@ def serve(control: ChildEnd, preload: tuple[str, ...], supervisor_pid: int) -> N
     rank = _Loop(sock, supervisor_pid).run()
     if rank is not None:
         # The rank's frames start here, outside the loop's own handlers.
-        os._exit(_run(rank))
-
-
-def _run(rank: _Rank) -> int:
-    """Run the rank; return its exit code, as a forkserver rank computes it.
-
-    A forkserver rank ends with ``os._exit`` once multiprocessing's own exit
-    steps are done; so does a warm rank: an interpreter shutdown would finalise
-    every preloaded module in every rank (about a second each with torch,
-    measured on 2 cores), and the rank has reported its outcome by then.
-    """
-    try:
-        run_rank(rank.fn, rank.rank, rank.args, rank.channel, rank.setup)
-        code = 0
-    except SystemExit as exc:
-        if exc.code is None:
-            code = 0
-        elif isinstance(exc.code, int):
-            code = exc.code
-        else:
-            sys.stderr.write(f"{exc.code}\n")
-            code = 1
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    # What the interpreter would wait for: the rank's own non-daemon threads.
-    current = threading.current_thread()
-    for thread in threading.enumerate():
-        if thread is not current and not thread.daemon:
-            thread.join()
-    _exit_steps()
-    for stream in (sys.stdout, sys.stderr):
         try:
-            if stream is not None:
-                stream.flush()
-        except Exception:  # a closed or broken stream: nothing left to save
-            pass
-    return code
-
-
-def _exit_steps() -> None:
-    # multiprocessing's exit function: its finalizers (queue feeder threads
-    # flush what the rank put), then the rank's own children.
-    import multiprocessing.util as util
-
-    exit_function = getattr(util, "_exit_function", None)
-    if exit_function is not None:
-        exit_function()
+            run_rank(rank.fn, rank.rank, rank.args, rank.channel, rank.setup)
+        finally:
+            os._exit(1)  # run_rank ends the process itself; never the template's code
 
 
 def _preload(modules: tuple[str, ...]) -> tuple[str | None, list[str]]:
@@ -326,7 +284,13 @@ class _Loop:
             status.close()
             return None
         if pid == 0:
-            return self._become_rank(status, fds[1:])
+            try:
+                return self._become_rank(status, fds[1:])
+            except BaseException:
+                # Its payload did not arrive or did not unpickle: the rank
+                # must not go on into the template's own code.
+                traceback.print_exc()
+                os._exit(1)
         for fd in fds[1:]:
             os.close(fd)  # the rank's alone: its pipes must end when it does
         try:
