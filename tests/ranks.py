@@ -383,6 +383,12 @@ def out_hello(rank: int, lines: int = 1) -> None:
         print(f"err {rank} {index}", file=sys.stderr)
 
 
+def out_unicode(rank: int) -> int:
+    """Write a line that only a Unicode stream can hold, then return 7."""
+    print("r\u00e9sum\u00e9")
+    return 7
+
+
 def out_flood(rank: int, count: int) -> None:
     """Write ``count`` lines of 64 bytes (63 characters and a newline), in big writes."""
     fill = "x" * 52

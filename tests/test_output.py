@@ -133,6 +133,32 @@ async def test_prefix_writes_text_to_a_text_only_stream_in_the_context_that_star
     assert {writer for writer, _ in stream.writes} == {"the starter"}
 
 
+class AsciiOnly(io.StringIO):
+    """A text-only stream (no ``buffer``) that holds ASCII alone, as a misconfigured console."""
+
+    def write(self, text: str) -> int:
+        text.encode("ascii")  # UnicodeEncodeError, a ValueError
+        return super().write(text)
+
+
+@pytest.mark.parametrize("broken", ["closed", "cannot-encode"])
+async def test_a_supervisor_stream_that_breaks_stops_the_copy_not_the_group(
+    broken: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Both raise ValueError, not OSError: a stream the program closed, and a
+    # text stream whose encoding cannot hold what a rank wrote.
+    stream = io.StringIO() if broken == "closed" else AsciiOnly()
+    if broken == "closed":
+        stream.close()
+    monkeypatch.setattr(sys, "stdout", stream)
+    # spawn: a fork rank would inherit the broken stream as its own sys.stdout.
+    results = await aiospawn.start_processes(
+        ranks.out_unicode, nprocs=1, stdout="prefix", start_method="spawn"
+    )
+    assert results == [7]
+    assert "Stopped copying a rank's stdout" in caplog.text
+
+
 async def test_directory_mode_writes_owner_only_files(tmp_path: Path) -> None:
     logs = tmp_path / "logs" / "run"  # made by the group, parents too
     await aiospawn.start_processes(ranks.out_hello, (2,), nprocs=2, stdout=logs, stderr=logs)
