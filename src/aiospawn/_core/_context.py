@@ -45,7 +45,7 @@ from anyio.lowlevel import checkpoint
 from ._backend import Backend, GroupLauncher, RankHandle
 from ._capture import CaptureBuffer, OutputLine
 from ._concurrency import run_to_completion
-from ._errors import ProcessException, ProcessRaisedException, raised_message, signal_name
+from ._errors import ProcessException, signal_name
 from ._events import (
     Event,
     EventLog,
@@ -104,10 +104,6 @@ class _PendingRestart:
     announced: bool = False
 
 
-#: Results larger than this are unpickled on a worker thread, not on the loop.
-_DECODE_ON_THREAD_BYTES = 1 << 20
-
-
 @final
 class AsyncProcessContext(Generic[T]):
     """A started group of ranks, each running ``fn(rank, *args)`` in its own process.
@@ -158,6 +154,7 @@ class AsyncProcessContext(Generic[T]):
         self._shutdown_done = anyio.Event()
         self._stuck: list[RankHandle] = []
         self._results: list[T] | None = None
+        self._decoding: anyio.Event | None = None  # set once a decoding has ended
         self._body: anyio.abc.TaskGroup | None = None
         self._supervisor_done: anyio.Event | None = None
         self._changed = anyio.Event()
@@ -821,25 +818,31 @@ class AsyncProcessContext(Generic[T]):
         return error
 
     async def _collect_results(self) -> None:
-        if self._results is not None:
-            return
-        exits = [rank.exit for rank in self._ranks]
-        size = sum(len(exit.frame[1]) for exit in exits if exit and exit.frame)
-        if size > _DECODE_ON_THREAD_BYTES:
-            self._results = await anyio.to_thread.run_sync(_decode_results, exits)
-        else:
-            self._results = _decode_results(exits)
+        # One decoding at a time: it lets the pickles go once it has succeeded.
+        while self._results is None:
+            if self._decoding is not None:
+                await self._decoding.wait()
+                continue  # decoded, or failed: then decode (and fail) here too
+            self._decoding = decoding = anyio.Event()
+            exits = [rank.exit for rank in self._ranks]
+            try:
+                # Always on a worker thread: unpickling runs the ranks' code (a
+                # class's module import, a __reduce__ callable), which may take
+                # any time whatever the size. The hop costs tens of
+                # microseconds, once a group.
+                self._results = await anyio.to_thread.run_sync(_decode_results, exits)
+            finally:
+                self._decoding = None
+                decoding.set()
 
 
 def _decode_results(exits: Sequence[RankExit | None]) -> list[Any]:
+    """Every rank's value, index = rank; the pickles are dropped once all decoded."""
     values = []
     for exit in exits:
         assert exit is not None
-        try:
-            values.append(exit.value())
-        except Exception as exc:
-            text = f"the value rank {exit.rank} returned cannot be unpickled here: {exc!r}\n"
-            raise ProcessRaisedException(
-                raised_message(exit.rank, text), exit.rank, exit.pid
-            ) from exc
+        values.append(exit.value())  # raises the rank's ProcessRaisedException
+    for exit in exits:
+        assert exit is not None
+        exit.release_payload()
     return values

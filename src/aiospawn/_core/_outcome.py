@@ -1,4 +1,12 @@
-"""How one rank ended, and the exception that reports it."""
+"""How one rank ended, and the exception that reports it.
+
+Every payload a rank sends is unpickled here, in the supervisor, and
+unpickling runs whatever code the pickle names: a class's module is imported
+(and may call ``sys.exit()``, as an ``argparse`` script does), a
+``__reduce__`` callable runs. Ranks are trusted code. Whatever that code
+raises, ``SystemExit`` and ``KeyboardInterrupt`` included, becomes the rank's
+:class:`ProcessRaisedException`; it never reaches the supervising task.
+"""
 
 from __future__ import annotations
 
@@ -52,10 +60,35 @@ class RankExit:
         return self.exit_code == 0 and (self.frame is None or self.frame[0] == Kind.RETURNED)
 
     def value(self) -> Any:
-        """Unpickle the value ``fn`` returned (``None`` if it exited without one)."""
+        """Unpickle the value ``fn`` returned (``None`` if it exited without one).
+
+        Blocking and arbitrary (see the module docstring): call it off the
+        event loop.
+
+        Raises:
+            ProcessRaisedException: The value cannot be unpickled here; its
+                cause is what the unpickling raised, whatever it was.
+        """
         if self.frame is None or self.frame[0] != Kind.RETURNED:
             return None
-        return pickle.loads(self.frame[1])
+        try:
+            return pickle.loads(self.frame[1])
+        except BaseException as exc:  # SystemExit too: the rank's failure, not ours
+            text = (
+                f"the value rank {self.rank} returned cannot be unpickled here: {_describe(exc)}\n"
+            )
+            error = ProcessRaisedException(raised_message(self.rank, text), self.rank, self.pid)
+            error.__cause__ = exc
+            raise error from exc
+
+    def release_payload(self) -> None:
+        """Drop the returned value's pickle, once the value has been decoded.
+
+        A large result would otherwise be held twice for the context's life.
+        """
+        if self.frame is not None and self.frame[0] == Kind.RETURNED:
+            # Frozen for its readers; this is the one field that can go.
+            object.__setattr__(self, "frame", (Kind.RETURNED, b""))
 
     def summary(self) -> str:
         """How it ended in a word or two: ``returned``, ``raised``, ``SIGKILL``, ``exit code 3``."""
@@ -80,7 +113,7 @@ class RankExit:
 
     def _exception(self) -> ProcessException:
         if self.frame is not None and self.frame[0] == Kind.RAISED:
-            exc_pickle, type_name, text = pickle.loads(self.frame[1])
+            exc_pickle, type_name, text = _loads_raised(self.frame[1])
             error = ProcessRaisedException(raised_message(self.rank, text), self.rank, self.pid)
             error.__cause__ = _rebuild(exc_pickle, type_name, text)
             if self.stderr_tail:
@@ -89,7 +122,10 @@ class RankExit:
             return error
         detail = None
         if self.frame is not None and self.frame[0] == Kind.EXITED:
-            _code, detail = pickle.loads(self.frame[1])
+            try:
+                _code, detail = pickle.loads(self.frame[1])
+            except BaseException as exc:  # a frame we did not write
+                detail = f"its exit report cannot be decoded: {_describe(exc)}"
         message = exited_message(
             self.rank, self.exit_code, detail=detail, killed_by_us=self.stopped_by_us
         )
@@ -140,13 +176,34 @@ class Hang:
         return ProcessHungException(message, self.rank, self.pid, self.seconds, self.stack)
 
 
+def _loads_raised(payload: bytes) -> tuple[bytes | None, str, str]:
+    """``(exception_pickle, type_name, text)`` from a RAISED payload, or a stand-in."""
+    try:
+        exc_pickle, type_name, text = pickle.loads(payload)
+    except BaseException as exc:  # a frame we did not write
+        return (
+            None,
+            "builtins.RuntimeError",
+            f"its error report cannot be decoded: {_describe(exc)}\n",
+        )
+    return exc_pickle, str(type_name), str(text)
+
+
 def _rebuild(exc_pickle: bytes | None, type_name: str, text: str) -> BaseException:
     if exc_pickle is not None:
         try:
             exc = pickle.loads(exc_pickle)
-        except Exception:
+        except BaseException:  # SystemExit too; the text still tells the story
             pass
         else:
             if isinstance(exc, BaseException):
                 return exc
     return RemoteTraceback(type_name, text)
+
+
+def _describe(exc: BaseException) -> str:
+    """``repr(exc)``, or its type's name if even that raises."""
+    try:
+        return repr(exc)
+    except BaseException:
+        return f"<{type(exc).__qualname__}: repr() failed>"

@@ -272,6 +272,9 @@ class LocalRank:
             stopped_by_us=self._stopped_by_us,
             stderr_tail=self._output.stderr_tail(),
         )
+        # The exit holds the payload now (until the context decodes it and
+        # lets it go); the reader must not keep a second reference for our life.
+        self._frame = FrameReader()
         for fd in (self._reader, self._pidfd):
             if fd is not None:
                 close_watched(fd)

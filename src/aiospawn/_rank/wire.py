@@ -150,8 +150,8 @@ def encode_value(value: Any) -> Outcome:
     """The frame of a returned value, or of the TypeError if it cannot be pickled."""
     try:
         payload = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as exc:
-        error = TypeError(f"the value returned by the rank cannot be pickled: {exc}")
+    except BaseException as exc:  # a __reduce__ may raise SystemExit: still this frame
+        error = TypeError(f"the value returned by the rank cannot be pickled: {_describe(exc)}")
         error.__cause__ = exc
         return Kind.RAISED, encode_exception(error), 1
     return Kind.RETURNED, payload, 0
@@ -171,16 +171,30 @@ def encode_exception(exc: BaseException, text: str | None = None) -> bytes:
 
     ``text`` defaults to the formatted traceback of ``exc``.
     """
+    type_name = f"{type(exc).__module__}.{type(exc).__qualname__}"
     if text is None:
         import traceback
 
-        text = "".join(traceback.format_exception(exc))
-    type_name = f"{type(exc).__module__}.{type(exc).__qualname__}"
+        try:
+            text = "".join(traceback.format_exception(exc))
+        except BaseException as failure:  # the exception's own code raised (__str__)
+            text = f"{type_name} (its traceback cannot be formatted: {_describe(failure)})\n"
+    # Whatever the exception's own code raises while it is pickled, SystemExit
+    # and KeyboardInterrupt included, the frame still goes out with the text:
+    # otherwise the supervisor would see only "exit code 1".
     try:
         exc_pickle: bytes | None = pickle.dumps(exc, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception:
+    except BaseException:
         exc_pickle = None
     return pickle.dumps((exc_pickle, type_name, text))
+
+
+def _describe(exc: BaseException) -> str:
+    """``str(exc)``, or its type's name if even that raises."""
+    try:
+        return str(exc) or type(exc).__qualname__
+    except BaseException:
+        return f"<{type(exc).__qualname__}: str() failed>"
 
 
 def from_fn(exc: BaseException) -> BaseException:
