@@ -194,3 +194,16 @@ def test_a_ctrl_c_taken_by_another_thread_still_stops_the_group() -> None:
     assert len(pids) == 2
     assert live_children().isdisjoint(pids)
     assert loop_threads() == []
+
+
+def test_a_loop_thread_that_dies_fails_the_waiting_call_instead_of_stranding_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def die(self: object, call: object) -> None:
+        raise SystemExit("the loop thread dies")  # asyncio lets it end the loop
+
+    monkeypatch.setattr(sync._LoopThread, "_execute", die)
+    with pytest.raises(RuntimeError, match="event loop thread ended") as info:
+        sync.start_processes(ranks.sleep_forever, nprocs=1, start_method="fork")
+    assert loop_threads() == []
+    assert isinstance(info.value.__cause__, BaseException)

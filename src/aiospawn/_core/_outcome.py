@@ -49,7 +49,7 @@ class RankExit:
     rank: int
     pid: int
     exit_code: int
-    frame: tuple[int, bytes] | None
+    frame: tuple[int, bytes | bytearray] | None
     stopped_by_us: bool
     stderr_tail: tuple[str, ...] = ()
     note: str | None = None
@@ -176,7 +176,7 @@ class Hang:
         return ProcessHungException(message, self.rank, self.pid, self.seconds, self.stack)
 
 
-def _loads_raised(payload: bytes) -> tuple[bytes | None, str, str]:
+def _loads_raised(payload: bytes | bytearray) -> tuple[bytes | None, str, str]:
     """``(exception_pickle, type_name, text)`` from a RAISED payload, or a stand-in."""
     try:
         exc_pickle, type_name, text = pickle.loads(payload)
