@@ -12,6 +12,7 @@ is raised at one point, after the reap.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import signal
@@ -109,6 +110,11 @@ def run_interrupted_at(k: int, start_method: str, children: set[int]) -> Interru
     handshake = Handshake.open(nprocs=1)
     trace = InterruptAt(k)
     raised: BaseException | None = None
+    # The interpreter swallows an exception raised in a weakref callback or a
+    # finalizer (it reports it as unraisable), and the collector runs those
+    # in whichever thread allocates at that moment: not this thread, here.
+    gc.collect()
+    gc.disable()
     sys.settrace(trace)
     try:
         sync.start_processes(
@@ -121,6 +127,7 @@ def run_interrupted_at(k: int, start_method: str, children: set[int]) -> Interru
         raised = exc
     finally:
         sys.settrace(None)
+        gc.enable()
         handshake.close()
     where = f"interrupted at event {k}: {trace.hit}"
     if trace.hit is None:
