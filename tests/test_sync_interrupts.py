@@ -18,12 +18,14 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from types import FrameType
 from typing import Any
 
+import psutil
 import pytest
 
 import aiospawn.sync as sync
@@ -214,3 +216,46 @@ def test_a_loop_thread_that_dies_fails_the_waiting_call_instead_of_stranding_it(
         sync.start_processes(ranks.sleep_forever, nprocs=1, start_method="fork")
     assert loop_threads() == []
     assert isinstance(info.value.__cause__, BaseException)
+
+
+def test_a_second_ctrl_c_during_the_shutdown_raises_at_once_and_join_reports_it(
+    events: tuple[Connection, Connection],
+) -> None:
+    reader, writer = events
+    ctx = sync.start_processes(
+        ranks.api_record_sigterm, (writer, True), nprocs=1, join=False, start_method="fork"
+    )
+    main = threading.main_thread().ident
+    assert main is not None
+    joining = threading.Event()
+
+    def press_ctrl_c_twice() -> None:
+        kind, _, _ = reader.recv()
+        assert kind == "ready"
+        joining.wait()
+        # join() puts its own handler in place as it starts waiting.
+        deadline = time.monotonic() + 10
+        while signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            if time.monotonic() > deadline:
+                break  # no handler of its own: interrupt it as it is
+            time.sleep(0.001)
+        signal.pthread_kill(main, signal.SIGINT)  # the group starts to shut down
+        assert reader.recv() == ("SIGTERM", 0)  # which the rank ignores
+        signal.pthread_kill(main, signal.SIGINT)
+
+    presser = threading.Thread(target=press_ctrl_c_twice)
+    presser.start()
+    try:
+        joining.set()
+        with pytest.raises(KeyboardInterrupt):
+            ctx.join(grace_period=60)
+        # Out before the shutdown's SIGKILL, 60 s away: the rank still runs.
+        (pid,) = ctx.pids()
+        assert psutil.pid_exists(pid)
+        assert psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    finally:
+        presser.join()
+        ctx.terminate(grace_period=0)  # hurries the shutdown under way
+    with pytest.raises(sync.ProcessExitedException, match="SIGKILL"):
+        ctx.join()
+    assert loop_threads() == []

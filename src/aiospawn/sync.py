@@ -280,6 +280,10 @@ class ProcessContext:
             self._concluding = True
             # The loop thread records the outcome and then ends, even if this
             # wait is interrupted and nobody waits for it any more.
+            ctrl_c = _CtrlC.current()
+            if ctrl_c is not None and ctrl_c.count > 1:  # a second Ctrl-C: out at once
+                loop.start(self._conclude, grace_period)
+                return
             with contextlib.suppress(_LoopClosed):  # recorded by a concurrent call
                 loop.run(self._conclude, grace_period, interruptible=False, then_stop=True)
         loop.close()
@@ -465,7 +469,7 @@ def _start_and_join(
         else:
             if started:  # the start finished as the caller was interrupted
                 with contextlib.suppress(_LoopClosed):
-                    loop.run(started[0].terminate, interruptible=False)
+                    loop.run(started[0].terminate, interruptible=False, then_stop=True)
             loop.close()
         raise
     return None if join else context
@@ -744,8 +748,13 @@ class _LoopThread:
                 self._stopping = True
             call.done.wait(on_ctrl_c)
         except BaseException:
-            self._cancel(call)
-            call.done.wait()
+            # The first interruption cancels the call and waits for its end
+            # (the group shut down and reaped). A further one (a second
+            # Ctrl-C), or one during a clean-up call, propagates at once and
+            # leaves the call to finish on the loop.
+            if interruptible and not call.cancel:
+                self._cancel(call)
+                call.done.wait()
             raise
         if ctrl_c is not None and ctrl_c.pending:
             ctrl_c.delivered = True
@@ -753,6 +762,11 @@ class _LoopThread:
         if call.error is not None:
             raise call.error
         return cast("T", call.result)
+
+    def start(self, fn: Callable[..., Awaitable[object]], *args: Any) -> None:
+        """Run ``fn(*args)`` on the loop without waiting; the loop thread then ends."""
+        self._submit(_Call(fn, args))
+        self._stopping = True  # after the submission, as in run()
 
     def close(self) -> None:
         """End the loop once its calls have finished, and wait until its thread has gone."""
