@@ -150,6 +150,7 @@ class Group(Generic[T]):
         self._shutdown_done = anyio.Event()
         self._stuck: list[RankHandle] = []
         self._results: list[T] | None = None
+        self._decoding: anyio.Event | None = None  # set once a decoding has ended
         self._body: anyio.abc.TaskGroup | None = None
         self._supervisor = SingleWatcher()
         self._changed = Broadcast()
@@ -423,9 +424,21 @@ class Group(Generic[T]):
         if not self._over():
             return False
         await run_to_completion(self._launcher.aclose)
-        if self._results is None:
-            self._results = await decode_results([rank.exit for rank in self._ranks])
+        await self._collect_results()
         return True
+
+    async def _collect_results(self) -> None:
+        # One decoding at a time: it lets the pickles go once it has succeeded.
+        while self._results is None:
+            if self._decoding is not None:
+                await self._decoding.wait()
+                continue  # decoded, or failed: then decode (and fail) here too
+            self._decoding = decoding = anyio.Event()
+            try:
+                self._results = await decode_results([rank.exit for rank in self._ranks])
+            finally:
+                self._decoding = None
+                decoding.set()
 
     async def _supervise_until_an_exit(self) -> None:
         exited = self._exits_seen

@@ -5,6 +5,13 @@ each build the exception that reports them; :func:`group_error` builds the one
 ``join()`` raises for the whole group, from its root cause or, after
 ``terminate()``, the lowest rank stopped; :func:`decode_results` unpickles
 what every rank returned.
+
+Every payload a rank sends is unpickled here, in the supervisor, and
+unpickling runs whatever code the pickle names: a class's module is imported
+(and may call ``sys.exit()``, as an ``argparse`` script does), a
+``__reduce__`` callable runs. Ranks are trusted code. Whatever that code
+raises, ``SystemExit`` and ``KeyboardInterrupt`` included, becomes the rank's
+:class:`ProcessRaisedException`; it never reaches the supervising task.
 """
 
 from __future__ import annotations
@@ -33,9 +40,6 @@ from ._errors import (
 if TYPE_CHECKING:
     from ._policy import RestartRecord
 
-#: Results larger than this are unpickled on a worker thread, not on the loop.
-DECODE_ON_THREAD_BYTES = 1 << 20
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankExit:
@@ -57,7 +61,7 @@ class RankExit:
     rank: int
     pid: int
     exit_code: int
-    frame: tuple[int, bytes] | None
+    frame: tuple[int, bytes | bytearray] | None
     stopped_by_us: bool
     stderr_tail: tuple[str, ...] = ()
     note: str | None = None
@@ -68,10 +72,35 @@ class RankExit:
         return self.exit_code == 0 and (self.frame is None or self.frame[0] == Kind.RETURNED)
 
     def value(self) -> Any:
-        """Unpickle the value ``fn`` returned (``None`` if it exited without one)."""
+        """Unpickle the value ``fn`` returned (``None`` if it exited without one).
+
+        Blocking and arbitrary (see the module docstring): call it off the
+        event loop.
+
+        Raises:
+            ProcessRaisedException: The value cannot be unpickled here; its
+                cause is what the unpickling raised, whatever it was.
+        """
         if self.frame is None or self.frame[0] != Kind.RETURNED:
             return None
-        return pickle.loads(self.frame[1])
+        try:
+            return pickle.loads(self.frame[1])
+        except BaseException as exc:  # SystemExit too: the rank's failure, not ours
+            text = (
+                f"the value rank {self.rank} returned cannot be unpickled here: {_describe(exc)}\n"
+            )
+            error = ProcessRaisedException(raised_message(self.rank, text), self.rank, self.pid)
+            error.__cause__ = exc
+            raise error from exc
+
+    def release_payload(self) -> None:
+        """Drop the returned value's pickle, once the value has been decoded.
+
+        A large result would otherwise be held twice for the context's life.
+        """
+        if self.frame is not None and self.frame[0] == Kind.RETURNED:
+            # Frozen for its readers; this is the one field that can go.
+            object.__setattr__(self, "frame", (Kind.RETURNED, b""))
 
     def summary(self) -> str:
         """How it ended in a word or two: ``returned``, ``raised``, ``SIGKILL``, ``exit code 3``."""
@@ -96,7 +125,7 @@ class RankExit:
 
     def _exception(self) -> ProcessException:
         if self.frame is not None and self.frame[0] == Kind.RAISED:
-            exc_pickle, type_name, text = pickle.loads(self.frame[1])
+            exc_pickle, type_name, text = _loads_raised(self.frame[1])
             error = ProcessRaisedException(raised_message(self.rank, text), self.rank, self.pid)
             error.__cause__ = _rebuild(exc_pickle, type_name, text)
             if self.stderr_tail:
@@ -127,7 +156,10 @@ class RankExit:
             return self.exit_code, None
         if self.frame[0] != Kind.EXITED:
             return self.exit_code, None
-        sent, detail = pickle.loads(self.frame[1])
+        try:
+            sent, detail = pickle.loads(self.frame[1])
+        except BaseException as exc:  # a frame we did not write
+            return self.exit_code, f"its exit report cannot be decoded: {_describe(exc)}"
         if sent != self.exit_code and self.exit_code == exit_status(sent):
             detail = f"sys.exit({sent!r}); the process's exit status is {self.exit_code}, as"
             detail += " an exit status holds 0 to 255"
@@ -176,11 +208,24 @@ class Hang:
         return ProcessHungException(message, self.rank, self.pid, self.seconds, self.stack)
 
 
+def _loads_raised(payload: bytes | bytearray) -> tuple[bytes | None, str, str]:
+    """``(exception_pickle, type_name, text)`` from a RAISED payload, or a stand-in."""
+    try:
+        exc_pickle, type_name, text = pickle.loads(payload)
+    except BaseException as exc:  # a frame we did not write
+        return (
+            None,
+            "builtins.RuntimeError",
+            f"its error report cannot be decoded: {_describe(exc)}\n",
+        )
+    return exc_pickle, str(type_name), str(text)
+
+
 def _rebuild(exc_pickle: bytes | None, type_name: str, text: str) -> BaseException:
     if exc_pickle is not None:
         try:
             exc = pickle.loads(exc_pickle)
-        except Exception:
+        except BaseException:  # SystemExit too; the text still tells the story
             pass
         else:
             if isinstance(exc, BaseException):
@@ -239,27 +284,35 @@ def group_error(
 
 
 async def decode_results(exits: Sequence[RankExit | None]) -> list[Any]:
-    """Unpickle what every rank returned, index = rank; large results off the loop.
+    """Unpickle what every rank returned, index = rank, on a worker thread.
+
+    Always off the loop: unpickling runs the ranks' code (a class's module
+    import, a ``__reduce__`` callable), which may take any time whatever the
+    size; the hop costs tens of microseconds, once a group. The pickles are
+    dropped once every value is decoded.
 
     Raises:
         ProcessRaisedException: A value cannot be unpickled here (its class
-            is missing, say), naming the rank.
+            is missing, or its unpickling raised, ``SystemExit`` included),
+            naming the rank.
     """
-    size = sum(len(exit.frame[1]) for exit in exits if exit and exit.frame)
-    if size > DECODE_ON_THREAD_BYTES:
-        return await anyio.to_thread.run_sync(_decode, exits)
-    return _decode(exits)
+    return await anyio.to_thread.run_sync(_decode, exits)
 
 
 def _decode(exits: Sequence[RankExit | None]) -> list[Any]:
     values = []
     for exit in exits:
         assert exit is not None
-        try:
-            values.append(exit.value())
-        except Exception as exc:
-            text = f"the value rank {exit.rank} returned cannot be unpickled here: {exc!r}\n"
-            raise ProcessRaisedException(
-                raised_message(exit.rank, text), exit.rank, exit.pid
-            ) from exc
+        values.append(exit.value())  # raises the rank's ProcessRaisedException
+    for exit in exits:
+        assert exit is not None
+        exit.release_payload()
     return values
+
+
+def _describe(exc: BaseException) -> str:
+    """``repr(exc)``, or its type's name if even that raises."""
+    try:
+        return repr(exc)
+    except BaseException:
+        return f"<{type(exc).__qualname__}: repr() failed>"

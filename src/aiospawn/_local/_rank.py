@@ -36,6 +36,8 @@ from ._pipes import close_watched
 from ._progress import RankProgress
 
 _READ_CHUNK = 256 * 1024
+#: At most this much of a frame is read per wake-up, so that the loop runs other tasks between.
+_READ_BUDGET = 1024 * 1024
 
 
 class LocalRank:
@@ -152,7 +154,7 @@ class LocalRank:
             self._read_available()
             exit_code = self._reap()
             if exit_code is not None:
-                self._read_available()  # the end of the frame, written just before exit
+                self._read_available(None)  # the end of the frame, written just before exit
                 self._finish(exit_code)
         return self._exit
 
@@ -277,11 +279,19 @@ class LocalRank:
                 return
             self._read_available()
 
-    def _read_available(self) -> None:
+    def _read_available(self, budget: int | None = _READ_BUDGET) -> None:
         fd = self._reader
         if fd is None:
             return
+        # While the rank writes a large frame, the pipe refills as fast as it
+        # is read: without a budget, one call would read the whole frame on
+        # the loop. Once the rank has exited, what is left is bounded by the
+        # pipe's capacity.
         while not (self._frame.complete or self._result_eof):
+            if budget is not None:
+                if budget <= 0:
+                    return
+                budget -= _READ_CHUNK
             try:
                 data = os.read(fd, min(self._frame.wanted, _READ_CHUNK))
             except BlockingIOError:
@@ -309,6 +319,9 @@ class LocalRank:
         )
         descendants.close_pinned(self._strays)
         self._strays = []
+        # The exit holds the payload now (until the context decodes it and
+        # lets it go); the reader must not keep a second reference for our life.
+        self._frame = FrameReader()
         for fd in (self._reader, self._pidfd):
             if fd is not None:
                 close_watched(fd)

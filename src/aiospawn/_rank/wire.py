@@ -92,45 +92,52 @@ def header(kind: int, size: int) -> bytes:
 
 
 class FrameReader:
-    """Reassembles one frame from the chunks read off the pipe."""
+    """Reassembles one frame from the chunks read off the pipe.
+
+    The payload grows in one buffer as chunks come, so that a large frame is
+    never copied whole in one step (a join at its end, or zero-filling a
+    buffer of its full size up front): the reader runs on the event loop.
+    """
 
     def __init__(self) -> None:
-        self._chunks: list[bytes] = []
-        self._buffered = 0
+        self._header = bytearray()
         self._kind: int | None = None
         self._size = 0
+        self._payload = bytearray()
 
     @property
     def complete(self) -> bool:
         """True once the whole frame has been fed."""
-        return self._kind is not None and self._buffered >= self._size
+        return self._kind is not None and len(self._payload) >= self._size
 
     @property
     def wanted(self) -> int:
         """How many more bytes the frame needs (an upper bound before the header)."""
         if self._kind is None:
-            return HEADER.size - self._buffered
-        return self._size - self._buffered
+            return HEADER.size - len(self._header)
+        return self._size - len(self._payload)
 
     def feed(self, data: bytes) -> None:
         """Add bytes read from the pipe (at most :attr:`wanted` at a time)."""
-        self._chunks.append(data)
-        self._buffered += len(data)
-        if self._kind is None and self._buffered >= HEADER.size:
-            joined = b"".join(self._chunks)
-            self._kind, self._size = HEADER.unpack_from(joined)
-            rest = joined[HEADER.size :]
-            self._chunks = [rest]
-            self._buffered = len(rest)
+        view = memoryview(data)
+        if self._kind is None:
+            taken = HEADER.size - len(self._header)
+            self._header += view[:taken]
+            view = view[taken:]
+            if len(self._header) < HEADER.size:
+                return
+            self._kind, self._size = HEADER.unpack(self._header)
+        self._payload += view
 
-    def frame(self) -> tuple[int, bytes] | None:
-        """Return ``(kind, payload)`` once complete, else ``None``."""
+    def frame(self) -> tuple[int, bytes | bytearray] | None:
+        """Return ``(kind, payload)`` once complete, else ``None``.
+
+        The payload is the reader's own buffer, not a copy.
+        """
         if not self.complete:
             return None
         assert self._kind is not None
-        payload = b"".join(self._chunks)
-        self._chunks = [payload]
-        return self._kind, payload
+        return self._kind, self._payload
 
 
 #: ``(kind, payload, exit_code)``: the frame a rank sends, and the exit code it then has.
@@ -155,8 +162,8 @@ def encode_value(value: Any) -> Outcome:
     """The frame of a returned value, or of the TypeError if it cannot be pickled."""
     try:
         payload = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as exc:
-        error = TypeError(f"the value returned by the rank cannot be pickled: {exc}")
+    except BaseException as exc:  # a __reduce__ may raise SystemExit: still this frame
+        error = TypeError(f"the value returned by the rank cannot be pickled: {_describe(exc)}")
         error.__cause__ = exc
         return Kind.RAISED, encode_exception(error), 1
     return Kind.RETURNED, payload, 0
@@ -191,16 +198,30 @@ def encode_exception(exc: BaseException, text: str | None = None) -> bytes:
 
     ``text`` defaults to the formatted traceback of ``exc``.
     """
+    type_name = f"{type(exc).__module__}.{type(exc).__qualname__}"
     if text is None:
         import traceback
 
-        text = "".join(traceback.format_exception(exc))
-    type_name = f"{type(exc).__module__}.{type(exc).__qualname__}"
+        try:
+            text = "".join(traceback.format_exception(exc))
+        except BaseException as failure:  # the exception's own code raised (__str__)
+            text = f"{type_name} (its traceback cannot be formatted: {_describe(failure)})\n"
+    # Whatever the exception's own code raises while it is pickled, SystemExit
+    # and KeyboardInterrupt included, the frame still goes out with the text:
+    # otherwise the supervisor would see only "exit code 1".
     try:
         exc_pickle: bytes | None = pickle.dumps(exc, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception:
+    except BaseException:
         exc_pickle = None
     return pickle.dumps((exc_pickle, type_name, text))
+
+
+def _describe(exc: BaseException) -> str:
+    """``str(exc)``, or its type's name if even that raises."""
+    try:
+        return str(exc) or type(exc).__qualname__
+    except BaseException:
+        return f"<{type(exc).__qualname__}: str() failed>"
 
 
 def from_fn(exc: BaseException) -> BaseException:
