@@ -23,7 +23,7 @@ async def main() -> None:
         await aiospawn.start_processes(train, args=(100,), nprocs=3, grace_period=1.0)
     except aiospawn.ProcessRaisedException as exc:
         print(f"rank {exc.error_index} (pid {exc.error_pid}) failed; its traceback:")
-        print(exc)
+        print(str(exc).strip())
         print(f"the original exception is chained: {exc.__cause__!r}")
 
 

@@ -942,7 +942,7 @@ def _refuse_inside_event_loop(call: str) -> None:
     library = _running_event_loop()
     if library is not None and not _called_from_a_notebook_cell():
         raise RuntimeError(
-            f"aiospawn.sync.{call} blocks its thread, and this thread runs a {library} event"
+            f"aiospawn.sync.{call} blocks its thread, and this thread runs an {library} event"
             " loop that would stall meanwhile; use the async API instead: `await"
             " aiospawn.start_processes(...)` or `async with aiospawn.open_group(...) as group`"
         )

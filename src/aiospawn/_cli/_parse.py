@@ -144,8 +144,8 @@ def parser() -> argparse.ArgumentParser:
         type=_nprocs,
         default=1,
         metavar="N",
-        help="number of ranks; 'auto' or 'cpu' for one per CPU, 'gpu' for one per visible"
-        " GPU (default: 1)",
+        help="number of ranks; 'cpu' for one per CPU, 'gpu' for one per visible GPU, 'auto'"
+        " for one per visible GPU if there is any, else one per CPU (default: 1)",
     )
     run.add_argument(
         *_spellings("--start-method"),

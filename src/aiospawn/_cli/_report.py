@@ -50,7 +50,7 @@ def report(run: Run) -> int:
         say(f"error: {run.usage_error}")
         return 2
     if run.start_error is not None:
-        say(f"could not start the ranks: {run.start_error!r}")
+        say(f"could not start the ranks: {run.start_error}")
         return 1
     failure = run.failure
     root = failure.error_index if isinstance(failure, aiospawn.ProcessException) else None
