@@ -330,6 +330,7 @@ def by_rank_lines(text: str, rank: int) -> list[str]:
         ["run", "--stdout", "capture", "TOUCH"],
         ["run", "--tee", "TOUCH"],
         ["run", "-m", "--fn", "x:y"],
+        ["run", "--preload", "no_such_module_here", "TOUCH"],
         ["frobnicate"],
     ],
     ids=lambda args: " ".join(args) or "nothing",

@@ -61,6 +61,14 @@ class Plan:
         self.nprocs: int = options.nprocs
         self.start_method: str = options.start_method
         self.preload: list[str] | None = options.preload
+        for name in self.preload or ():
+            # As --fn's module is checked: a typo is a usage error, not a failed start.
+            try:
+                found = importlib.util.find_spec(name) is not None
+            except (ImportError, ValueError):
+                found = False
+            if not found:
+                raise UsageError(f"--preload {name}: no module named {name!r} here")
         self.grace_period = _grace_period(options)
         self.heartbeat_timeout: float | None = options.heartbeat_timeout
         self.startup_timeout: float | None = options.startup_timeout
