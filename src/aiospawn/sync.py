@@ -1,5 +1,10 @@
 """A blocking drop-in for ``torch.multiprocessing.spawn``, built on the async core.
 
+(About 1,000 lines: half are torch's call signatures, with their overloads, and
+the docstrings that keep torch's contract; the rest is one idea, the
+blocking hand-off to a private event loop that no interruption of the caller
+can strand.)
+
 Change one import and keep the calls, the messages and the exceptions::
 
     import aiospawn.sync as mp  # was: import torch.multiprocessing as mp

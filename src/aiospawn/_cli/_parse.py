@@ -1,5 +1,8 @@
 """The command line of ``aiospawn``: its flags, their checks, and its usage errors.
 
+(About 600 lines, most of them the flag declarations and their help, which
+are the command's reference; splitting them would scatter one table.)
+
 :func:`parse` reads the command line into an :class:`argparse.Namespace`;
 the type functions here check one value each, and :class:`UsageError` carries
 any complaint out as one line on stderr with exit status 2, before anything starts.

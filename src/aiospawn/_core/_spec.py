@@ -1,5 +1,9 @@
 """What a group is asked to run, checked before anything starts.
 
+(About 650 lines, one idea: every check of a group's arguments, made before
+anything starts, with the decision of how ``fn`` reaches a rank, so that the
+entry points and both backends share one set of rules and messages.)
+
 A :class:`LaunchSpec` is the backend-independent description of a group: the
 function and arguments every rank runs, how many ranks, the start method, the
 environment and where output goes. :func:`make_spec` and

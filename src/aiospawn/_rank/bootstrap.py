@@ -1,5 +1,9 @@
 """The rank bootstrap: what runs in a rank's process around ``fn(rank, *args)``.
 
+(About 580 lines, one idea: everything a rank's process does around ``fn``,
+in order; it runs before any user code, so it stays one standard-library
+module that a rank imports alone.)
+
 ``multiprocessing`` calls :func:`run_rank` in the new process. Before ``fn``
 runs, the rank
 
