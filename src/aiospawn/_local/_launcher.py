@@ -129,7 +129,7 @@ class LocalLauncher:
             # A warm rank ends as a forkserver rank does (os._exit after the exit steps).
             start_method="forkserver" if warm else spec.start_method,
             # The live table: a fork copies it as it is at that moment.
-            inherited=_pipes.held() if spec.start_method == "fork" and not warm else None,
+            inherited=_fork_table() if spec.start_method == "fork" and not warm else None,
         )
         name = f"aiospawn-rank-{index}"
         process: Any
@@ -280,3 +280,50 @@ async def start_ranks(ranks: Sequence[LocalRank], start_method: str) -> None:
             if not rank.started:
                 rank.discard()
     raise_start_error(errors, len(ranks))
+
+
+def _fork_table() -> dict[int, tuple[int, int]]:
+    """The table of supervisor descriptors a fork rank drops, with the loop's wakeup sockets.
+
+    A fork rank used to find the event loop's wakeup fd by asking
+    ``signal.set_wakeup_fd``; since Python 3.12 asyncio resets it to -1 in
+    every forked child (``asyncio.events.on_fork``) and leaves the socket
+    open, whichever loop set it. So the supervisor names the running loop's
+    wakeup sockets itself, from the loops' own attributes (read with
+    ``getattr``: the architecture page lists them), and the rank drops them by
+    file identity like any other descriptor of ours.
+    """
+    for sock in _loop_wakeup_sockets():
+        try:
+            _pipes.track(sock.fileno())
+        except OSError:  # closed meanwhile
+            continue
+    return _pipes.held()
+
+
+def _loop_wakeup_sockets() -> list[Any]:
+    trio = sys.modules.get("trio")
+    runner = getattr(
+        getattr(getattr(trio, "_core", None), "_run", None), "GLOBAL_RUN_CONTEXT", None
+    )
+    wakeup = getattr(getattr(getattr(runner, "runner", None), "entry_queue", None), "wakeup", None)
+    if wakeup is not None:  # trio's WakeupSocketpair
+        return [sock for sock in (wakeup.wakeup_sock, wakeup.write_sock) if sock.fileno() >= 0]
+    try:
+        loop = _asyncio_running_loop()
+    except RuntimeError:
+        return []
+    # The selector loop's self-pipe, whose write end is its signal wakeup fd.
+    return [
+        sock
+        for sock in (getattr(loop, "_ssock", None), getattr(loop, "_csock", None))
+        if sock is not None and sock.fileno() >= 0
+    ]
+
+
+def _asyncio_running_loop() -> Any:
+    """The running asyncio loop, without importing asyncio for a trio program."""
+    asyncio = sys.modules.get("asyncio")
+    if asyncio is None:
+        raise RuntimeError("no asyncio")
+    return asyncio.get_running_loop()
