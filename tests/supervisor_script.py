@@ -1,10 +1,11 @@
-"""A supervising process for tests/test_launch.py, which SIGKILLs it.
+"""A supervising process for tests/test_launch.py and tests/test_warm.py, which SIGKILL it.
 
 Run as ``python -m tests.supervisor_script START_METHOD BACKEND`` from the
-repository root. It starts a group of two ranks, waits until both run, prints
-their pids as one JSON line, then waits for a line on stdin (or its end) and
-shuts the group down. The test kills it before that, and checks that the
-ranks die with it.
+repository root; START_METHOD ``warm`` is ``spawn`` with ``preload=["json"]``
+(ranks forked from a warm-start template). It starts a group of two ranks,
+waits until both run, prints their pids as one JSON line, then waits for a
+line on stdin (or its end) and shuts the group down. The test kills it
+before that, and checks that the ranks die with it.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ async def supervise(start_method: str) -> None:
             (writer,),
             nprocs=NPROCS,
             join=False,
-            start_method=start_method,
+            start_method="spawn" if start_method == "warm" else start_method,
+            preload=["json"] if start_method == "warm" else None,
             grace_period=1,
         )
         try:

@@ -304,7 +304,7 @@ def test_main_script_and_sys_path_behave_as_under_forkserver(scratch: Path) -> N
 
 
 def test_a_sigkilled_supervisor_leaves_no_template_and_no_rank(anyio_backend: str) -> None:
-    command = [sys.executable, "-m", "tests.warm_supervisor", anyio_backend]
+    command = [sys.executable, "-m", "tests.supervisor_script", "warm", anyio_backend]
     descendants: list[psutil.Process] = []
     with (
         tempfile.TemporaryDirectory() as tmp,
