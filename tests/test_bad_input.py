@@ -24,6 +24,7 @@ import pytest
 import aiospawn
 from aiospawn._core._spec import fds_per_rank, make_output_spec, max_nprocs
 from tests import hostile_ranks, ranks
+from tests.cli_helpers import environ, run
 
 pytestmark = pytest.mark.anyio
 
@@ -234,29 +235,13 @@ async def test_a_pipe_failing_part_way_through_making_ranks_leaks_nothing(
 def test_the_launcher_takes_env_key_alone_from_its_own_environment(
     args: list[str], master_addr: str
 ) -> None:
-    completed = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "aiospawn",
-            "run",
-            "--env",
-            "AIOSPAWN_TEST_SECRET",
-            *args,
-            "tests/cli_programs/show_env.py",
-        ],
-        cwd=REPO,
-        env=dict(
-            os.environ,
-            AIOSPAWN_TEST_SECRET="from-the-launcher",
-            MASTER_ADDR="10.0.0.9",
-            OMP_NUM_THREADS="1",
-        ),
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
+    completed = run(
+        "run",
+        "--env",
+        "AIOSPAWN_TEST_SECRET",
+        *args,
+        "tests/cli_programs/show_env.py",
+        env=environ(AIOSPAWN_TEST_SECRET="from-the-launcher", MASTER_ADDR="10.0.0.9"),
     )
     assert completed.returncode == 0, completed.stderr
     shown = json.loads(completed.stdout)

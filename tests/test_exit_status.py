@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import multiprocessing
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import psutil
@@ -21,6 +19,7 @@ import pytest
 
 import aiospawn
 from tests import hostile_ranks
+from tests.cli_helpers import run
 from tests.helpers import tripwire
 
 pytestmark = pytest.mark.anyio
@@ -94,24 +93,8 @@ async def test_a_queue_fed_just_before_returning_is_flushed_before_the_rank_exit
 def test_the_launcher_exits_non_zero_when_a_rank_exits_with_a_code_beyond_255(
     code: str,
 ) -> None:
-    completed = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "aiospawn",
-            "run",
-            "--start-method",
-            "fork",
-            "--fn",
-            "tests.hostile_ranks:exit_with_int",
-            code,
-        ],
-        cwd=REPO,
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
+    completed = run(
+        "run", "--start-method", "fork", "--fn", "tests.hostile_ranks:exit_with_int", code
     )
     assert completed.returncode == 1, completed.stderr
     assert re.search(rf"exit code {code}: sys\.exit\({code}\)", completed.stderr), completed.stderr
