@@ -57,6 +57,7 @@ class FakeRank:
         self._backend = backend
         self.rank = index
         self.restart = restart
+        self.link = None  # no channel
         self._on_exit = on_exit
         self.started = False
         self.pid: int | None = None

@@ -126,11 +126,11 @@ def test_the_descriptors_counted_per_rank_follow_the_options() -> None:
     def per_rank(stdout: object, stderr: object, tee: bool = False, beats: bool = False) -> int:
         return fds_per_rank(make_output_spec(stdout, stderr, tee, "[{rank}] "), beats)
 
-    assert per_rank("inherit", "devnull") == 4
-    assert per_rank("prefix", "capture") == 8
-    assert per_rank("/logs", "/logs") == 6
-    assert per_rank("/logs", "/logs", tee=True) == 10
-    assert per_rank("prefix", "prefix", beats=True) == 12
+    assert per_rank("inherit", "devnull") == 6
+    assert per_rank("prefix", "capture") == 10
+    assert per_rank("/logs", "/logs") == 8
+    assert per_rank("/logs", "/logs", tee=True) == 12
+    assert per_rank("prefix", "prefix", beats=True) == 14
     assert max_nprocs() >= max_nprocs(make_output_spec("prefix", "prefix", False, ""), True)
 
 

@@ -122,6 +122,7 @@ def test_the_rank_side_package_imports_the_standard_library_only() -> None:
         "aiospawn._rank",
         "aiospawn._rank.api",
         "aiospawn._rank.bootstrap",
+        "aiospawn._rank.channel",
         "aiospawn._rank.descendants",
         "aiospawn._rank.programs",
         "aiospawn._rank.template",

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from ._api import spawn as spawn
     from ._api import start_processes as start_processes
     from ._core._capture import OutputLine as OutputLine
+    from ._core._channel import RankChannel as RankChannel
     from ._core._context import AsyncProcessContext as AsyncProcessContext
     from ._core._errors import ProcessException as ProcessException
     from ._core._errors import ProcessExitedException as ProcessExitedException
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
     from ._core._events import Hung as Hung
     from ._core._events import RankEvent as RankEvent
     from ._core._events import RankStatistics as RankStatistics
+    from ._core._events import Ready as Ready
     from ._core._events import Restarting as Restarting
     from ._core._events import Started as Started
     from ._core._events import Stopped as Stopped
@@ -54,8 +56,11 @@ if TYPE_CHECKING:
     from ._core._policy import RestartPolicy as RestartPolicy
     from ._core._policy import RestartRecord as RestartRecord
     from ._core._shutdown import DEFAULT_GRACE_PERIOD as DEFAULT_GRACE_PERIOD
+    from ._rank.api import channel as channel
     from ._rank.api import heartbeat as heartbeat
+    from ._rank.api import ready as ready
     from ._rank.api import restart_count as restart_count
+    from ._rank.api import serve as serve
 
 __version__: str
 

@@ -95,6 +95,9 @@ class GroupOptions(TypedDict, total=False):
             CUDA initialised. With ``spawn`` (the default) or ``forkserver``;
             not with ``fork``. Preloaded modules see the template's environment
             and ``sys.argv``, not a rank's ``env`` (the docs' warm-starts page).
+        rank_loop: The event loop an ``async def fn`` runs on in its rank:
+            ``"asyncio"`` (the default), ``"trio"`` or ``"uvloop"`` (each
+            must be installed). A sync ``fn`` runs on no loop.
     """
 
     grace_period: float | None
@@ -111,6 +114,7 @@ class GroupOptions(TypedDict, total=False):
     devices_per_rank: int | None
     devices: Sequence[int | str] | None
     preload: Sequence[str] | None
+    rank_loop: str
 
 
 @overload
@@ -322,6 +326,7 @@ async def open_group(
     *,
     start_method: str | None = "spawn",
     daemon: bool = False,
+    wait_ready: bool = False,
     **options: Unpack[GroupOptions],
 ) -> AsyncIterator[AsyncProcessContext[T]]:
     """Start a group and supervise it for the duration of an ``async with`` block.
@@ -340,7 +345,11 @@ async def open_group(
       :class:`ProcessRaisedException` or :class:`ProcessExitedException`
       itself, not wrapped in an ExceptionGroup.
 
-    Args: as for :func:`start_processes`.
+    Args: as for :func:`start_processes`, and
+
+    * ``wait_ready``: enter the block only once every rank has called
+      ``aiospawn.ready()`` (``await ctx.wait_ready()``, bounded by
+      ``startup_timeout``); a rank that fails first fails the ``async with``.
 
     Raises:
         ProcessRaisedException: A rank's ``fn`` raised.
@@ -359,6 +368,8 @@ async def open_group(
             fn, args, nprocs, daemon, start_method, options
         )
         async with ctx:
+            if wait_ready:
+                await ctx.wait_ready()
             yield ctx
 
 
@@ -412,6 +423,7 @@ async def _start_group(
         devices=options.get("devices"),
         # Elsewhere devices are the node's, which the backend hands out (Ray: num_gpus).
         local_devices=isinstance(backend, LocalBackend),
+        rank_loop=options.get("rank_loop", "asyncio"),
     )
     if refuse_capture and spec.output.captures:
         # With join=True the caller never holds the context, so nobody could

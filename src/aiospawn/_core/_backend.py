@@ -3,8 +3,9 @@
 :class:`~aiospawn.AsyncProcessContext` supervises (fail-fast, shutdown,
 restarts, hang detection, events) and knows nothing of processes; a backend
 makes and starts ranks, and each rank is a :class:`RankHandle` that reports
-its one exit. The local backend (``aiospawn._local``) runs ranks as
-child processes; ``aiospawn.ray.RayBackend`` runs them as Ray actors.
+its one exit and carries a :class:`Link`, the frames of its channel. The
+local backend (``aiospawn._local``) runs ranks as child processes;
+``aiospawn.ray.RayBackend`` runs them as Ray actors.
 
 A rank handle is one *attempt* at a rank: a restarted rank is a new handle
 in the same slot, made by the same launcher.
@@ -38,8 +39,45 @@ def raise_start_error(errors: Mapping[int, BaseException], count: int, where: st
         raise error
 
 
+class Link(Protocol):
+    """One attempt's frame transport, from the backend (a socket pair for local ranks)."""
+
+    async def receive_frame(self) -> tuple[int, bytes | bytearray] | None:
+        """The next frame, or None at the end of the stream.
+
+        One task at a time. Cancellation-safe: a frame read in part is kept.
+        """
+
+    def frame_now(self) -> tuple[int, bytes | bytearray] | bool | None:
+        """The next frame if it can be read without waiting; None at the end, else False."""
+
+    def queue_frame(self, kind: int, payload: bytes) -> None:
+        """Add a frame, whole, to the outgoing queue."""
+
+    @property
+    def queued(self) -> int:
+        """Bytes queued and not yet written."""
+
+    def write_some(self) -> bool:
+        """Write what can be written now; True once the queue is empty.
+
+        Raises:
+            BrokenPipeError: The rank's end is closed (it exited).
+        """
+
+    async def wait_writable(self) -> None:
+        """Wait until :meth:`write_some` can make progress."""
+
+    def close(self) -> None:
+        """Release the transport; a task waiting in :meth:`receive_frame` gets None."""
+
+
 class RankHandle(Protocol):
     """One attempt at one rank, from creation to its recorded exit."""
+
+    @property
+    def link(self) -> Link | None:
+        """The attempt's channel transport, or None if the backend has none."""
 
     @property
     def rank(self) -> int:

@@ -10,12 +10,13 @@ as ``ProcessPoolExecutor`` sits in front of its manager thread in CPython's
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from types import TracebackType
 from typing import Any, Generic, Self, TypeVar, final
 
 from ._backend import Backend
 from ._capture import OutputLine
+from ._channel import RankChannel
 from ._events import Event, GroupStatistics
 from ._group import Group, Supervision
 from ._spec import LaunchSpec, check_seconds
@@ -122,8 +123,97 @@ class AsyncProcessContext(Generic[T]):
         return self._group.events.follow()
 
     def statistics(self) -> GroupStatistics:
-        """A snapshot: ranks alive, each rank's state, restarts, last exits."""
+        """A snapshot: ranks alive, each rank's state, restarts, last exits, readiness."""
         return self._group.statistics()
+
+    def channel(self, rank: int) -> RankChannel:
+        """The channel to rank ``rank`` (its current attempt): an anyio object stream.
+
+        ``await ch.send(obj)`` reaches the rank's ``aiospawn.channel().receive()``;
+        ``await ch.receive()`` (or ``async for``) returns what the rank sent.
+        Objects are pickled; large ones are pickled and unpickled on a worker
+        thread. A restarted rank has a new channel: ask again after a restart.
+        The old one ends with its attempt.
+
+        Raises:
+            TypeError, ValueError: ``rank`` is not a rank of this group.
+            RuntimeError: The backend's ranks have no channels.
+        """
+        return self._group.channel(rank)
+
+    async def wait_ready(self, timeout: float | None = None) -> list[Any]:
+        """Wait until every rank has called ``aiospawn.ready()``; return their payloads.
+
+        The group is supervised meanwhile, as in ``join()``: a rank that fails
+        before it is ready fails the wait with its exception (the ranks are
+        shut down first), and a rank restarted by the group's ``restart``
+        policy counts once its new attempt is ready.
+
+        Args:
+            timeout: Seconds to wait; ``None`` uses the group's
+                ``startup_timeout`` (no limit if that is ``None`` too).
+
+        Returns:
+            The ``payload`` each rank passed to ``ready()``, index = rank.
+
+        Raises:
+            TimeoutError: ``timeout`` passed; the message names the ranks
+                that are not ready. The group keeps running.
+            ProcessException: A rank failed before every rank was ready.
+            RuntimeError: A rank returned before it was ready, or the backend
+                has no channels.
+            ValueError: ``timeout`` is negative.
+
+        Cancellation:
+            Safe: the group keeps running, and readiness seen so far is kept.
+        """
+        check_seconds("timeout", timeout)
+        return await self._group.wait_ready(timeout)
+
+    async def call(
+        self,
+        method: str,
+        /,
+        *args: Any,
+        ranks: Sequence[int] | None = None,
+        timeout: float | None = None,
+        **kwargs: Any,
+    ) -> list[Any]:
+        """Call ``handler.method(*args, **kwargs)`` on every rank (or on ``ranks``) at once.
+
+        Each rank answers with the handler it passed to ``aiospawn.serve()``.
+        Arguments and results are pickled; the request is pickled once.
+
+        Returns:
+            The results, in the order of ``ranks`` (rank order by default).
+
+        Raises:
+            Exception: A handler raised: that exception (of the lowest such
+                rank), with a note naming the rank and one holding the rank's
+                traceback. The group is not failed, and the ranks go on serving.
+            ProcessException: A rank failed (exited badly, was killed or
+                stopped) before it answered; raised at once.
+            anyio.BrokenResourceError: A rank ended, or closed its channel,
+                without answering.
+            TimeoutError: ``timeout`` seconds passed; the message names the
+                ranks that did not answer.
+            TypeError: The arguments cannot be pickled, or ``ranks`` is not
+                a sequence of ranks.
+            ValueError: ``ranks`` names a rank outside the group, or
+                ``timeout`` is negative.
+
+        Cancellation:
+            Safe: answers that arrive later are dropped, never delivered to a
+            later call.
+        """
+        if not isinstance(method, str):
+            raise TypeError(f"method must be the name of a handler method, got {method!r}")
+        check_seconds("timeout", timeout)
+        if ranks is not None and (
+            isinstance(ranks, str | bytes) or not isinstance(ranks, Sequence)
+        ):
+            raise TypeError(f"ranks must be a sequence of ranks, got {ranks!r}")
+        return await self._group.call(method, args, kwargs, ranks, timeout)
 
     async def join(self, timeout: float | None = None, grace_period: float | None = None) -> bool:
         """Wait for every rank to finish; on the first failure, stop the rest and raise.

@@ -130,10 +130,11 @@ class ProcessHungException(ProcessException):
 class RemoteTraceback(Exception):
     """Stands in for a rank's exception that could not cross the process boundary.
 
-    It is never raised on its own: it becomes the ``__cause__`` of a
-    :class:`ProcessRaisedException` when the rank's exception could not be
-    pickled in the rank or unpickled here (for example a class whose
-    ``__init__`` needs arguments that ``args`` does not hold).
+    It becomes the ``__cause__`` of a :class:`ProcessRaisedException` when
+    the rank's exception could not be pickled in the rank or unpickled here
+    (for example a class whose ``__init__`` needs arguments that ``args`` does
+    not hold); ``ctx.call()`` raises it in place of a handler's exception
+    that could not cross.
 
     Attributes:
         type_name: The qualified name of the rank's exception class.

@@ -28,6 +28,7 @@ __all__ = [
     "Hung",
     "RankEvent",
     "RankStatistics",
+    "Ready",
     "Restarting",
     "Started",
     "Stopped",
@@ -69,6 +70,11 @@ class Started(RankEvent):
     """The rank's process started. ``restart`` counts its earlier runs."""
 
     restart: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Ready(RankEvent):
+    """The rank called ``aiospawn.ready()``: it is ready to serve (see ``ctx.wait_ready()``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -140,6 +146,9 @@ class RankStatistics:
         restarts: How many times it has been restarted.
         last_start: Its latest start, once started.
         last_exit: Its latest exit, if it has exited.
+        ready: True once its current attempt has called ``aiospawn.ready()``
+            (seen by the supervisor: while ``wait_ready()``, ``receive()``,
+            ``call()`` or the group's supervision reads its channel).
     """
 
     rank: int
@@ -148,6 +157,7 @@ class RankStatistics:
     restarts: int
     last_start: Started | None
     last_exit: Exited | None
+    ready: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

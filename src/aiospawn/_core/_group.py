@@ -44,13 +44,14 @@ torch's ``join()`` does), :meth:`Group.unjoined` and :meth:`Group.attempt`.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import signal
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import anyio
 import anyio.abc
@@ -58,6 +59,7 @@ from anyio.lowlevel import checkpoint
 
 from ._backend import Backend, GroupLauncher, RankHandle
 from ._capture import CaptureBuffer
+from ._channel import RankChannel, decode, encode
 from ._concurrency import Broadcast, SingleWatcher, run_to_completion
 from ._errors import ProcessException, signal_name
 from ._events import (
@@ -66,6 +68,7 @@ from ._events import (
     GroupStatistics,
     Hung,
     RankStatistics,
+    Ready,
     Restarting,
     Started,
     Stopped,
@@ -73,7 +76,7 @@ from ._events import (
 )
 from ._hangs import HangWatch, Overdue, Watched
 from ._log import logger
-from ._outcome import Hang, RankExit, decode_results, group_error
+from ._outcome import Hang, RankExit, decode_results, group_error, rebuild_raised
 from ._policy import RestartPolicy
 from ._restarts import GiveUp, GroupView, PendingRestart, RestartTracker
 from ._shutdown import Shutdown
@@ -137,6 +140,9 @@ class Group(Generic[T]):
         )
         self._tracker = RestartTracker(supervision.restart)
         self._restarts = [0] * spec.nprocs  # per slot: the current attempt's number
+        self._channels: dict[RankHandle, RankChannel] = {}  # per attempt, with a link
+        self._channels_closed = False  # the block ended: ranks' serve() may return
+        self._call_ids = itertools.count(1)
         self._ranks: list[RankHandle] = self._make_ranks(range(spec.nprocs))
         self._last_starts: list[Started | None] = [None] * spec.nprocs
         self._last_exits: list[Exited | None] = [None] * spec.nprocs
@@ -218,6 +224,7 @@ class Group(Generic[T]):
                     restarts=self._restarts[index],
                     last_start=self._last_starts[index],
                     last_exit=self._last_exits[index],
+                    ready=self._is_ready(rank),
                 )
             )
         return GroupStatistics(
@@ -235,6 +242,131 @@ class Group(Generic[T]):
 
     def _running(self) -> int:
         return sum(1 for rank in self._ranks if rank.started and rank.exit is None)
+
+    def _is_ready(self, rank: RankHandle) -> bool:
+        channel = self._channels.get(rank)
+        return channel is not None and channel.ready and rank.exit is None
+
+    # ----------------------------------------------------------- live ranks
+
+    def channel(self, index: int) -> RankChannel:
+        """The channel of rank ``index``'s current attempt."""
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise TypeError(f"rank must be an int, got {index!r}")
+        if not 0 <= index < len(self._ranks):
+            raise ValueError(f"rank {index} is not in this group of {len(self._ranks)}")
+        channel = self._channels.get(self._ranks[index])
+        if channel is None:
+            raise RuntimeError(f"{type(self._launcher).__name__}'s ranks have no channels")
+        return channel
+
+    async def wait_ready(self, timeout: float | None) -> list[Any]:
+        """``AsyncProcessContext.wait_ready()``, its argument checked."""
+        limit = self._supervision.startup_timeout if timeout is None else timeout
+        for index in range(len(self._ranks)):
+            self.channel(index)  # every rank has one
+        reading: set[RankChannel] = set()
+        async with anyio.create_task_group() as tg:
+            # Supervised meanwhile: a failure ends the wait, a restart is carried out.
+            tg.start_soon(self._supervise)
+            with anyio.move_on_after(math.inf if limit is None else limit) as deadline:
+                while not self._finished():
+                    unready = [rank for rank in self._ranks if not self._is_ready(rank)]
+                    if not unready and not self._tracker.pending and self._starting is None:
+                        break
+                    for rank in unready:
+                        channel = self._channels[rank]
+                        if rank.started and channel not in reading:
+                            reading.add(channel)
+                            tg.start_soon(self._read_until_ready, channel)
+                    await self._changed.wait()
+            tg.cancel_scope.cancel()
+        if deadline.cancelled_caught:
+            late = [str(rank.rank) for rank in self._ranks if not self._is_ready(rank)]
+            raise TimeoutError(
+                f"rank(s) {', '.join(late)} did not call aiospawn.ready() within {limit:g} s"
+            )
+        if self._finished():
+            await self._join(0, None, until_all=True)  # raises the group's failure
+            raise RuntimeError(
+                "the group ended before every rank called aiospawn.ready(): ranks"
+                f" {', '.join(str(r.rank) for r in self._ranks if not self._is_ready(r))}"
+                " returned first"
+            )
+        payloads = [self._channels[rank].ready_payload for rank in self._ranks]
+        return [await decode(payload) for payload in payloads if payload is not None]
+
+    async def _read_until_ready(self, channel: RankChannel) -> None:
+        await channel.wait_ready()
+        self._changed.notify()  # ready, or its stream ended (its exit is due)
+
+    def _on_ready(self, rank: RankHandle) -> None:
+        if rank is self._ranks[rank.rank]:
+            self.events.append(Ready(rank=rank.rank, pid=rank.pid))
+        self._changed.notify()
+
+    async def call(
+        self,
+        method: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        ranks: Sequence[int] | None,
+        timeout: float | None,
+    ) -> list[Any]:
+        """``AsyncProcessContext.call()``, its arguments checked."""
+        targets = list(range(len(self._ranks))) if ranks is None else list(ranks)
+        channels = {index: self.channel(index) for index in targets}
+        request = await encode((method, args, kwargs))
+        call_id = next(self._call_ids)
+        replies: dict[int, bytes | bytearray] = {}
+        ended: dict[int, Exception] = {}
+
+        async def one(index: int, channel: RankChannel) -> None:
+            try:
+                replies[index] = await channel.call(call_id, request)
+            except (ProcessException, anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
+                ended[index] = exc
+                tg.cancel_scope.cancel()  # the call has failed: stop waiting for the others
+
+        with anyio.move_on_after(math.inf if timeout is None else timeout):
+            async with anyio.create_task_group() as tg:
+                for index, channel in channels.items():
+                    tg.start_soon(one, index, channel)
+        if ended:
+            first = min(ended)
+            raise ended[first]
+        missing = [index for index in targets if index not in replies]
+        if missing:
+            raise TimeoutError(
+                f"ctx.call({method!r}): rank(s) {', '.join(map(str, missing))} did not"
+                f" answer within {timeout:g} s"
+            )
+        answers = {index: await decode(replies[index]) for index in targets}
+        raised = sorted(index for index, (ok, _) in answers.items() if not ok)
+        if raised:
+            error = rebuild_raised(answers[raised[0]][1])
+            error.add_note(
+                f"aiospawn: raised by rank {raised[0]}'s handler in ctx.call({method!r})"
+            )
+            if len(raised) > 1:
+                error.add_note(f"aiospawn: ranks {', '.join(map(str, raised[1:]))} raised too")
+            raise error
+        return [answers[index][1] for index in targets]
+
+    def close_channels(self) -> None:
+        """Close the supervisor's side of every channel: a rank's ``serve()`` returns."""
+        self._channels_closed = True
+        for rank in self._ranks:
+            channel = self._channels.get(rank)
+            if channel is not None:
+                channel.close_sending()
+
+    def _release_channels(self, ranks: Iterable[RankHandle]) -> None:
+        """Keep what the ranks sent before they ended, then release their transports."""
+        for rank in ranks:
+            channel = self._channels.get(rank)
+            if channel is not None:
+                channel.drain_and_release()
 
     # ---------------------------------------------------------- what it is asked
 
@@ -272,6 +404,8 @@ class Group(Generic[T]):
         """End the block: as ``join()`` if it ended, else shut down; True to swallow ``exc``."""
         body, self._body = self._body, None
         assert body is not None
+        if exc is None:
+            self.close_channels()  # the block is done with the ranks: their serve() returns
         try:
             if exc is not None and not isinstance(exc, anyio.get_cancelled_exc_class()):
                 # The block raised: stop the ranks and let its exception through,
@@ -423,6 +557,7 @@ class Group(Generic[T]):
                     del error
         if not self._over():
             return False
+        self._release_channels(self._ranks)
         await run_to_completion(self._launcher.aclose)
         await self._collect_results()
         return True
@@ -468,6 +603,9 @@ class Group(Generic[T]):
         for rank in ranks:
             if rank.started and rank.exit is None:
                 watchers.start_soon(rank.wait)
+                channel = self._channels.get(rank)
+                if channel is not None:  # readiness and replies are seen while supervised
+                    watchers.start_soon(channel.read)
 
     # --------------------------------------------------------------- restarts
 
@@ -527,7 +665,11 @@ class Group(Generic[T]):
         if len(slots) == len(self._ranks):
             self._launcher.new_rendezvous()
         fresh = self._make_ranks(slots, [self._restarts[index] + 1 for index in slots])
+        # The old attempts' channels end with them: nothing meant for them
+        # reaches their successors.
+        self._release_channels(self._ranks[rank.rank] for rank in fresh)
         for rank in fresh:
+            self._channels.pop(self._ranks[rank.rank], None)
             self._hung.discard(self._ranks[rank.rank])
             self._restarts[rank.rank] += 1
             self._ranks[rank.rank] = rank
@@ -551,6 +693,11 @@ class Group(Generic[T]):
             for rank in made:
                 rank.discard()
             raise
+        for rank in made:
+            if rank.link is not None:
+                channel = self._channels[rank] = RankChannel(rank, rank.link, self._on_ready)
+                if self._channels_closed:
+                    channel.close_sending()
         return made
 
     def _failed_restart(self, failure: RankExit | Hang, error: Exception | None) -> None:
@@ -670,6 +817,7 @@ class Group(Generic[T]):
                 started = [rank for rank in self._ranks if rank.started]
                 hung = [rank for rank in started if rank in self._hung]
                 self._stuck += await shutdown.run(started, at_once=hung)
+                self._release_channels(self._ranks)
                 await self._launcher.aclose()
             finally:
                 # Nothing more can come, even from a rank stuck in the kernel.

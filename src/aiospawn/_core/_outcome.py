@@ -221,6 +221,19 @@ def _loads_raised(payload: bytes | bytearray) -> tuple[bytes | None, str, str]:
     return exc_pickle, str(type_name), str(text)
 
 
+def rebuild_raised(payload: bytes | bytearray) -> BaseException:
+    """The exception in a RAISED payload (a stand-in if it cannot be rebuilt), with its traceback.
+
+    For a handler's error in ``ctx.call()``: the caller gets the exception
+    itself, and the rank's traceback as a note.
+    """
+    exc_pickle, type_name, text = _loads_raised(payload)
+    error = _rebuild(exc_pickle, type_name, text)
+    if not isinstance(error, RemoteTraceback):
+        error.add_note(text.rstrip("\n"))
+    return error
+
+
 def _rebuild(exc_pickle: bytes | None, type_name: str, text: str) -> BaseException:
     if exc_pickle is not None:
         try:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import importlib.util
 import inspect
 import io
 import math
@@ -43,9 +44,10 @@ from typing import Any, ClassVar
 START_METHODS = ("spawn", "fork", "forkserver")
 
 #: Descriptors the supervisor holds for a rank whatever its options: the two
-#: ends of its result pipe until it starts, then the read end, the two ends of
+#: ends of its result pipe and of its channel's socket pair until it starts,
+#: then the result pipe's read end, our end of the channel, the two ends of
 #: ``multiprocessing``'s sentinel pipe and a pidfd.
-FDS_PER_RANK = 4
+FDS_PER_RANK = 6
 
 #: What each stream mode adds: a pipe (both ends until the rank starts); a
 #: directory adds the file, and with ``tee`` a pipe too.
@@ -214,6 +216,8 @@ class LaunchSpec:
     #: Modules a warm-start template imports once; the ranks fork from it.
     #: Empty: ranks start with ``start_method``.
     preload: tuple[str, ...] = ()
+    #: The event loop an ``async def fn`` runs on in its rank.
+    rank_loop: str = "asyncio"
 
 
 def make_spec(
@@ -232,6 +236,7 @@ def make_spec(
     devices_per_rank: int | None = None,
     devices: Sequence[int | str] | None = None,
     local_devices: bool = True,
+    rank_loop: object = "asyncio",
 ) -> LaunchSpec:
     """Check a group's arguments before anything starts, and resolve the start method.
 
@@ -245,7 +250,8 @@ def make_spec(
             name or value no environment can (see :func:`check_environment`);
             a rank's output option is bad, or the devices asked for do not fit
             (see :func:`assign_devices`).
-            ``preload`` is bad (see :func:`check_preload`).
+            ``preload`` is bad (see :func:`check_preload`); ``rank_loop``
+            is unknown or not installed.
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {fn!r}")
@@ -261,6 +267,7 @@ def make_spec(
         )
     if isinstance(env, Mapping):
         check_environment(env, "env")
+    check_rank_loop(rank_loop)
     check_nprocs(nprocs)
     method = resolve_start_method(start_method)
     output = output.for_group(nprocs)
@@ -301,7 +308,21 @@ def make_spec(
         devices_per_rank=devices_per_rank,
         fn_by_value=by_value,
         preload=modules,
+        rank_loop=str(rank_loop),
     )
+
+
+RANK_LOOPS = ("asyncio", "trio", "uvloop")
+
+
+def check_rank_loop(rank_loop: object) -> None:
+    """Raise ValueError unless ``rank_loop`` names an event loop installed here."""
+    if rank_loop not in RANK_LOOPS:
+        raise ValueError(
+            f"rank_loop must be one of {', '.join(map(repr, RANK_LOOPS))}, got {rank_loop!r}"
+        )
+    if rank_loop != "asyncio" and importlib.util.find_spec(str(rank_loop)) is None:
+        raise ValueError(f"rank_loop={rank_loop!r}: {rank_loop} is not installed")
 
 
 def check_devices_per_rank(value: object) -> None:

@@ -46,8 +46,10 @@ from aiospawn._rank.bootstrap import (
     unpickle_in_rank,
     unpickle_now,
 )
+from aiospawn._rank.wire import ChildEnd
 
 from . import _pipes
+from ._link import SocketLink, rank_socket
 from ._output import RankOutput, close_log_dirs, open_log_dirs
 from ._pipes import rank_pipe
 from ._progress import RankProgress
@@ -104,7 +106,9 @@ class LocalLauncher:
         env = self._environment(index, restart)  # first: it runs the user's env callable
         reader, writer = rank_pipe()
         output: RankOutput | None = None
+        link: tuple[int, ChildEnd] | None = None
         try:
+            link = rank_socket()
             output = RankOutput(
                 spec.output, index, self._capture, restart=restart, log_dirs=self._log_dirs
             )
@@ -112,8 +116,8 @@ class LocalLauncher:
         except BaseException:
             if output is not None:
                 output.discard()
-            _pipes.close(reader)
-            _pipes.close(writer.fd)
+            for fd in (reader, writer.fd, *((link[0], link[1].fd) if link else ())):
+                _pipes.close(fd)
             raise
         warm = bool(spec.preload)
         setup = RankSetup(
@@ -130,6 +134,8 @@ class LocalLauncher:
             start_method="forkserver" if warm else spec.start_method,
             # The live table: a fork copies it as it is at that moment.
             inherited=_fork_table() if spec.start_method == "fork" and not warm else None,
+            channel=link[1],
+            loop=spec.rank_loop,
         )
         name = f"aiospawn-rank-{index}"
         process: Any
@@ -161,6 +167,8 @@ class LocalLauncher:
             exit_via_sentinel=spec.start_method == "forkserver" or warm,
             on_exit=on_exit,
             progress=progress,
+            link=SocketLink(link[0]),
+            link_end=link[1],
         )
 
     async def start(self, ranks: Sequence[RankHandle]) -> None:

@@ -31,6 +31,7 @@ from aiospawn._rank import descendants
 from aiospawn._rank.wire import ChildEnd, FrameReader
 
 from . import _pipes
+from ._link import SocketLink
 from ._output import RankOutput
 from ._pipes import close_watched
 from ._progress import RankProgress
@@ -56,6 +57,8 @@ class LocalRank:
         on_exit: Called once, on the event-loop thread, with the rank's exit.
         progress: The rank's heartbeat slot and stack channel, when the
             group watches heartbeats.
+        link: Our end of the rank's channel; ``link_end`` is the rank's,
+            closed here once it started.
     """
 
     def __init__(
@@ -69,6 +72,8 @@ class LocalRank:
         exit_via_sentinel: bool,
         on_exit: OnExit,
         progress: RankProgress | None = None,
+        link: SocketLink | None = None,
+        link_end: ChildEnd | None = None,
     ) -> None:
         self.rank = rank
         self.process = process
@@ -78,6 +83,8 @@ class LocalRank:
         self._exit_via_sentinel = exit_via_sentinel
         self._on_exit = on_exit
         self._progress = progress
+        self.link = link
+        self._link_end = link_end
         self._frame = FrameReader()
         self._result_eof = False
         self._pidfd: int | None = None
@@ -117,6 +124,9 @@ class LocalRank:
             assert self._writer is not None
             _pipes.close(self._writer.fd)  # the rank holds its own copy now
             self._writer = None
+            if self._link_end is not None:
+                _pipes.close(self._link_end.fd)
+                self._link_end = None
         # cpython#148318: Process.start() on any thread reaps whichever of the
         # children it knows of have exited; two threads reaping one child can
         # lose its exit code. This rank is reaped by its watcher alone.
@@ -144,6 +154,11 @@ class LocalRank:
         if self._reader is not None:
             _pipes.close(self._reader)
             self._reader = None
+        if self._link_end is not None:
+            _pipes.close(self._link_end.fd)
+            self._link_end = None
+        if self.link is not None:
+            self.link.close()
         self._output.discard()
         if self._progress is not None:
             self._progress.close()

@@ -10,7 +10,10 @@ clean interpreter.
 - ``bootstrap``: :func:`~aiospawn._rank.bootstrap.run_rank`, the
   ``multiprocessing`` target of a local rank, and its guards.
 - ``api``: what the rank's own code calls (``aiospawn.heartbeat()``,
-  ``aiospawn.restart_count()``).
+  ``aiospawn.restart_count()``, ``aiospawn.ready()``, ``aiospawn.channel()``,
+  ``aiospawn.serve()``).
+- ``channel``: the rank's end of its channel to the supervisor (messages,
+  readiness, calls), blocking in a sync rank, awaitable in an async one.
 - ``wire``: what a rank and its supervisor agree on (the outcome frame, its
   encoders, shared constants).
 - ``programs``: the rank functions behind ``aiospawn run``.

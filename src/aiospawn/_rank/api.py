@@ -1,16 +1,28 @@
-"""What a rank's own code calls: :func:`heartbeat` and :func:`restart_count`.
+"""What a rank's own code calls: heartbeats, its restart count, readiness, its channel.
 
 The bootstrap (``aiospawn._rank.bootstrap``) fills in this module's state
-before ``fn`` runs; outside a rank every function is a harmless no-op.
+before ``fn`` runs. Outside a rank, :func:`heartbeat`, :func:`ready` and
+:func:`restart_count` are harmless no-ops; :func:`channel` and :func:`serve`
+raise, since there is nobody to talk to.
 Part of the rank-side package: standard library only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from typing import Any
+
+from .channel import AsyncChannel, Channel, _Frames, encode
+from .wire import Link
 
 _restart = 0
 _beat: memoryview | None = None
+#: The rank's end of its channel, and the event loop an ``async def fn`` runs on.
+_frames: _Frames | None = None
+_loop: str | None = None
+_channel: Channel | AsyncChannel | None = None
+_ready = False
 
 
 def restart_count() -> int:
@@ -34,3 +46,67 @@ def heartbeat() -> None:
     beat = _beat
     if beat is not None:
         beat[0] = time.monotonic_ns()
+
+
+def ready(payload: Any = None) -> None:
+    """Tell the supervisor this rank is ready to serve, with an optional small payload.
+
+    Call it once the rank can do its work (a model loaded, a port bound). The
+    supervisor's ``await ctx.wait_ready()`` returns every rank's ``payload``
+    (a port number, a shared-memory name: anything picklable) in rank order.
+    Only the first call of an attempt counts; later ones do nothing. Works
+    in sync and async ranks (it does not wait for the supervisor to read
+    it). Outside a rank it does nothing.
+
+    Raises:
+        TypeError: ``payload`` cannot be pickled.
+    """
+    global _ready
+    frames = _frames
+    if frames is None or _ready:
+        return
+    data = encode(payload)
+    _ready = True
+    frames.queue(Link.READY, data)
+    with contextlib.suppress(BrokenPipeError):  # the supervisor closed the channel
+        frames.flush()
+
+
+def channel() -> Any:
+    """This rank's channel to its supervisor.
+
+    In a sync rank, a :class:`~aiospawn._rank.channel.Channel` with blocking
+    ``send(obj)``, ``receive()``, iteration and ``close()``; in an
+    ``async def fn``, an :class:`~aiospawn._rank.channel.AsyncChannel` whose
+    methods are awaited (``async for`` iterates). ``receive()`` raises
+    ``EOFError`` once the supervisor has closed its end and every message
+    was received. The supervisor's end is ``ctx.channel(rank)``.
+
+    Raises:
+        RuntimeError: Not called in a rank of an aiospawn group (or on a
+            backend without channels).
+    """
+    global _channel
+    if _channel is None:
+        if _frames is None:
+            raise RuntimeError("aiospawn.channel() is called in a rank of an aiospawn group")
+        _channel = Channel(_frames) if _loop is None else AsyncChannel(_frames, _loop)
+    return _channel
+
+
+def serve(handler: Any) -> Any:
+    """Answer the supervisor's ``ctx.call(method, ...)`` with ``handler.method(...)``.
+
+    Serves one call at a time, in order, until the supervisor closes the
+    channel (an ``async with open_group(...)`` block closes it when it ends);
+    then returns. Public methods only (a name starting with ``_`` is refused).
+    A method that raises sends its exception back to the caller; the rank
+    goes on serving. In a sync rank ``serve(handler)`` blocks; in an async
+    rank ``await aiospawn.serve(handler)``, whose handler's methods may be
+    sync or ``async def``. Messages sent with ``ctx.channel(rank).send()``
+    meanwhile wait for the rank's ``receive()``.
+
+    Raises:
+        RuntimeError: Not called in a rank of an aiospawn group.
+    """
+    return channel().serve(handler)

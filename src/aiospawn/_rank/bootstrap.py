@@ -89,10 +89,12 @@ import signal
 import stat
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, NamedTuple, NoReturn
 
 from . import api, descendants
+from .channel import finish as finish_channel
+from .channel import open_channel
 from .wire import (
     BEAT_BYTES,
     LOST_CHANNEL_STATUS,
@@ -218,6 +220,9 @@ class RankSetup(NamedTuple):
         inherited: Under ``fork`` only: the descriptors the supervisor holds
             for its ranks, each with the ``(st_dev, st_ino)`` of its file, as
             they were when this rank was forked (a fork copies the mapping).
+        channel: The rank's end of its channel to the supervisor (a socket).
+        loop: The event loop an ``async def fn`` runs on: ``"asyncio"``,
+            ``"trio"`` or ``"uvloop"``.
     """
 
     supervisor_pid: int
@@ -230,6 +235,8 @@ class RankSetup(NamedTuple):
     stacks: ChildEnd | None = None
     start_method: str = "spawn"
     inherited: Mapping[int, tuple[int, int]] | None = None
+    channel: ChildEnd | None = None
+    loop: str = "asyncio"
 
 
 #: A rank's own descriptors are moved to this number or above.
@@ -261,10 +268,15 @@ def run_rank(
             report.send(Kind.RAISED, encode_exception(exc))
             raise
         text = None
+        terminated = False
         try:
             if isinstance(fn, Payload):  # sent by value: unpickled now, after env
                 fn, args = fn.load()
             value = fn(rank, *args)
+            if isinstance(value, Coroutine):  # an async def fn: run it on its own loop
+                value = _run_async(value, setup.loop)
+        except _Terminated:
+            terminated = True
         except SystemExit as exc:
             kind, payload, code = encode_exit(exc)
             if exc.code is not None and not isinstance(exc.code, int):
@@ -276,6 +288,10 @@ def run_rank(
         # Leftovers first: once the supervisor has the outcome, the rank's
         # processes are gone, even those that left its process group.
         descendants.kill_descendants(os.getpid(), LEFTOVER_PATIENCE)
+        # Then what the rank sent and a cancellation left queued.
+        finish_channel(api._frames, LEFTOVER_PATIENCE)
+        if terminated:
+            _die_of_sigterm()
         # Only once the frame is out may the status become 0: a KeyboardInterrupt
         # while it is written must not leave a success without a result.
         status = code if report.send(kind, payload) or code else LOST_CHANNEL_STATUS
@@ -317,6 +333,7 @@ def _prepare(setup: RankSetup, report: _Channel) -> None:
     if setup.inherited is not None:
         own = [
             report.fd,
+            *((setup.channel.fd,) if setup.channel is not None else ()),
             *(end.fd for end in (setup.stdout, setup.stderr) if isinstance(end, ChildEnd)),
             *(end.fd for end in (setup.heartbeat, setup.stacks) if end is not None),
         ]
@@ -326,10 +343,106 @@ def _prepare(setup: RankSetup, report: _Channel) -> None:
         os.environ.update(setup.env)
     api._restart = setup.restart
     api._beat = None  # a fork of a rank that beats must not beat into its parent's slot
+    api._channel, api._ready, api._loop = None, False, None  # nor talk on its channel
+    api._frames = None if setup.channel is None else open_channel(_move_high(setup.channel.fd))
     if setup.heartbeat is not None and setup.stacks is not None:
         _watch_progress(setup.heartbeat, setup.stacks)
     _redirect(sys.stdout, 1, setup.stdout)
     _redirect(sys.stderr, 2, setup.stderr)
+
+
+class _Terminated(BaseException):
+    """SIGTERM cancelled an ``async def fn``, which has run its cleanup."""
+
+
+def _run_async(main: Coroutine[Any, Any, Any], loop: str) -> Any:
+    """Run the coroutine of an ``async def fn`` on a new event loop; SIGTERM cancels it.
+
+    The first SIGTERM cancels the rank's main task, so its ``finally`` blocks
+    and ``async with`` exits run, and puts back the default action: a second
+    SIGTERM ends the rank at once. Once the task has unwound, the rank ends
+    as killed by SIGTERM (see :func:`_die_of_sigterm`), as a sync rank would.
+
+    Raises:
+        _Terminated: SIGTERM cancelled the task (whatever it returned then).
+    """
+    api._loop = "trio" if loop == "trio" else "asyncio"
+    terminated: list[bool] = []
+    if loop == "trio":
+        import trio
+
+        value = trio.run(_trio_main, main, terminated)
+    else:
+        import asyncio
+
+        factory = None
+        if loop == "uvloop":
+            import importlib
+
+            factory = importlib.import_module("uvloop").new_event_loop
+        with asyncio.Runner(loop_factory=factory) as runner:
+            value = runner.run(_asyncio_main(main, terminated))
+    if terminated:
+        raise _Terminated
+    return value
+
+
+async def _asyncio_main(main: Coroutine[Any, Any, Any], terminated: list[bool]) -> Any:
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+
+    def on_sigterm() -> None:
+        terminated.append(True)
+        loop.remove_signal_handler(signal.SIGTERM)  # back to the default: a second one kills
+        task.cancel()
+
+    loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+    try:
+        return await main
+    except asyncio.CancelledError:
+        if not terminated:
+            raise
+        return None
+    finally:
+        if not terminated:
+            loop.remove_signal_handler(signal.SIGTERM)
+
+
+async def _trio_main(main: Coroutine[Any, Any, Any], terminated: list[bool]) -> Any:
+    import trio
+
+    token = trio.lowlevel.current_trio_token()
+    value = None
+    with trio.CancelScope() as scope:
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            terminated.append(True)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one kills
+            token.run_sync_soon(scope.cancel)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+        try:
+            value = await main
+        finally:
+            if not terminated:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    return value
+
+
+def _die_of_sigterm() -> NoReturn:
+    """End the rank as killed by SIGTERM, its output flushed, as a stopped sync rank ends."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(BaseException):
+            if stream is not None:
+                stream.flush()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGTERM,))
+    os.kill(os.getpid(), signal.SIGTERM)
+    while True:  # delivered at once to this thread; never past this
+        signal.pause()
 
 
 def _end(status: int, start_method: str) -> NoReturn:

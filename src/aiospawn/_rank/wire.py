@@ -27,6 +27,8 @@ from collections.abc import Callable
 from typing import Any, Final
 
 HEADER = struct.Struct("!BQ")
+#: What CALL and REPLY payloads start with: the call's id, which pairs them.
+CALL_ID = struct.Struct("!Q")
 
 #: The variable that holds a rank's restart count (see :func:`restart_count`).
 RESTART_COUNT_VAR = "AIOSPAWN_RESTART_COUNT"
@@ -56,6 +58,25 @@ class Kind:
     RAISED: Final = 2
     #: ``pickle((exit_code, text_or_None))``: ``fn`` called ``sys.exit(n)``.
     EXITED: Final = 3
+
+
+class Link:
+    """What a frame on a rank's channel holds (see ``aiospawn._rank.channel``).
+
+    The channel carries frames of the same shape as the outcome frame, both ways.
+    """
+
+    #: ``pickle(obj)``: a message sent with ``send(obj)``.
+    MESSAGE: Final = 1
+    #: ``pickle(payload)``: the rank called ``aiospawn.ready(payload)``.
+    READY: Final = 2
+    #: :data:`CALL_ID`, then ``pickle((method, args, kwargs))``: a call of the rank's handler.
+    CALL: Final = 3
+    #: :data:`CALL_ID`, then ``pickle((True, value))``, or ``pickle((False, raised))``
+    #: with a RAISED payload (:func:`encode_exception`): the handler's answer.
+    REPLY: Final = 4
+    #: Empty: the sender closed its end; nothing more comes from it.
+    CLOSE: Final = 5
 
 
 class ChildEnd:

@@ -57,6 +57,7 @@ class RayRank:
         self._post = post
         self._forget = forget
         self.rank = index
+        self.link = None  # no channel yet on Ray
         self.restart = restart
         self._on_exit = on_exit
         self._key = f"{index}.{restart}"

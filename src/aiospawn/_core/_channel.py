@@ -1,0 +1,358 @@
+"""The supervisor's end of a rank's channel: messages, readiness and calls, on the event loop.
+
+Each attempt at a rank has one :class:`RankChannel` over one :class:`Link`
+(the backend's frame transport: a socket pair for local ranks). A restarted
+rank gets a new channel; the old one ends with its attempt, so nothing meant
+for a dead attempt reaches its successor.
+
+Frames are read by whichever task needs one (a ``receive()``, a ``call()``,
+``wait_ready()``, or the group's supervision, which reads while it runs), one
+task at a time; the others wait for what it reads (the ``SingleWatcher``
+pattern, with a condition per waiter). Reading only sorts frames: a message's
+pickle goes into the inbox, a reply's to its call, a READY payload to the
+channel. Nothing is decoded while a frame is taken, so a reader cancelled at
+any point loses nothing; the task that wants an object decodes it, off the
+loop when it is large.
+
+Back-pressure, both ways. Incoming: the inbox holds :data:`INBOX_MESSAGES`
+messages (or :data:`INBOX_BYTES`); while it is full nothing more is read, so
+the rank's ``send()`` blocks once the socket is full too, and so do its
+replies and READY behind those messages. Outgoing: a ``send()`` queues its
+frame whole once less than :data:`QUEUED_BYTES` wait to be written.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import pickle
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import anyio.abc
+import anyio.to_thread
+from anyio.lowlevel import checkpoint
+
+from aiospawn._rank.wire import CALL_ID
+from aiospawn._rank.wire import Link as Kind
+
+from ._backend import Link, RankHandle
+from ._concurrency import Broadcast
+from ._errors import ProcessException
+
+#: A pickle this large or larger is encoded and decoded on a worker thread.
+THREAD_BYTES = 256 * 1024
+#: Messages (and bytes of them) the supervisor holds for a rank's ``receive()``.
+INBOX_MESSAGES = 64
+INBOX_BYTES = 64 * 1024 * 1024
+#: Bytes that may wait in the outgoing queue when a ``send()`` adds its frame.
+QUEUED_BYTES = 256 * 1024
+#: While bytes wait to go out, the reading task tries again this often.
+_RETRY_WRITE = 0.05
+
+_NOTHING_YET = object()
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class _Sink:
+    """A file for ``pickle.Pickler`` that refuses to grow past :data:`THREAD_BYTES`."""
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+        self.size = 0
+
+    def write(self, data: bytes) -> int:
+        self.size += len(data)
+        if self.size >= THREAD_BYTES:
+            raise _TooLarge
+        self.parts.append(bytes(data))
+        return len(data)
+
+
+async def encode(obj: Any) -> bytes:
+    """Pickle ``obj``: on the loop while it stays small, else again on a worker thread.
+
+    Raises:
+        TypeError: ``obj`` cannot be pickled.
+    """
+    sink = _Sink()
+    try:
+        try:
+            pickle.Pickler(sink, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+        except _TooLarge:
+            return await anyio.to_thread.run_sync(pickle.dumps, obj, pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        raise TypeError(f"cannot send {type(obj).__qualname__} to a rank: {exc}") from exc
+    return b"".join(sink.parts)
+
+
+async def decode(payload: bytes | bytearray) -> Any:
+    """Unpickle a frame's payload, on a worker thread when it is large."""
+    if len(payload) >= THREAD_BYTES:
+        return await anyio.to_thread.run_sync(pickle.loads, payload)
+    return pickle.loads(payload)
+
+
+class RankChannel(anyio.abc.ObjectStream[Any]):
+    """The supervisor's end of one rank's channel (``ctx.channel(rank)``).
+
+    An anyio object stream: ``await send(obj)``, ``await receive()``,
+    ``async for``, ``send_eof()``, ``aclose()``, ``async with``. Objects are
+    pickled. The rank's end is ``aiospawn.channel()``.
+    """
+
+    def __init__(
+        self, handle: RankHandle, link: Link, on_ready: Callable[[RankHandle], None]
+    ) -> None:
+        self._handle = handle
+        self._link = link
+        self._on_ready = on_ready
+        self._inbox: collections.deque[bytes | bytearray] = collections.deque()
+        self._inbox_bytes = 0
+        self._replies: dict[int, bytes | bytearray | None] = {}
+        self._changed = Broadcast()
+        self._reading = False
+        self._ended = False  # the stream from the rank ended (or the link was released)
+        self._rank_closed = False  # ... because the rank closed its end
+        self._closed = False  # aclose() was called
+        self._eof_sent = False
+        self._send_lock = anyio.Lock()
+        self._receive_lock = anyio.Lock()
+        self.ready_payload: bytes | bytearray | None = None
+
+    @property
+    def rank(self) -> int:
+        """The rank at the other end."""
+        return self._handle.rank
+
+    @property
+    def ready(self) -> bool:
+        """True once the rank has called ``aiospawn.ready()``."""
+        return self.ready_payload is not None
+
+    async def send(self, item: Any) -> None:
+        """Send ``item`` to the rank (its ``receive()`` returns it).
+
+        Waits while the rank is not reading and its channel is full.
+
+        Raises:
+            TypeError: ``item`` cannot be pickled.
+            anyio.ClosedResourceError: :meth:`aclose` or :meth:`send_eof` was called.
+            ProcessException: The rank has failed (exited badly or was stopped).
+            anyio.BrokenResourceError: The rank has ended successfully.
+
+        Cancellation:
+            Safe: the message is queued whole or not at all. Once queued it is
+            delivered, even if the task is cancelled while it is written.
+        """
+        await checkpoint()
+        self._check_sendable()
+        payload = await encode(item)
+        await self._send_frame(Kind.MESSAGE, payload)
+
+    async def receive(self) -> Any:
+        """Wait for the rank's next message and return it.
+
+        Raises:
+            anyio.EndOfStream: The rank closed its end (``close()``) or
+                returned, and every message it sent has been received.
+            ProcessException: The rank failed (raised, exited badly, was
+                killed or stopped) with no message left to receive.
+            anyio.ClosedResourceError: :meth:`aclose` was called.
+
+        Cancellation:
+            Safe: a message is either returned or stays first in line.
+        """
+        await checkpoint()
+        async with self._receive_lock:
+            await self._read_until(lambda: bool(self._inbox))
+            if self._closed:
+                raise anyio.ClosedResourceError
+            if self._inbox:
+                payload = self._inbox[0]
+                item = await decode(payload)  # taken only once decoded
+                self._inbox.popleft()
+                self._inbox_bytes -= len(payload)
+                self._changed.notify()  # room in the inbox
+                return item
+        await self._raise_end()
+
+    async def send_eof(self) -> None:
+        """Tell the rank nothing more comes: its ``receive()`` raises ``EOFError``.
+
+        Its messages can still be received, and calls still answered.
+        """
+        if self._closed or self._eof_sent:
+            return
+        self._eof_sent = True
+        self._link.queue_frame(Kind.CLOSE, b"")
+        # The rank may have ended: then there is nobody to tell.
+        with contextlib.suppress(ProcessException, anyio.BrokenResourceError, anyio.EndOfStream):
+            await self._flush(0)
+
+    def close_sending(self) -> None:
+        """:meth:`send_eof` without waiting: the frame goes out as the socket takes it."""
+        if not (self._closed or self._eof_sent):
+            self._eof_sent = True
+            self._link.queue_frame(Kind.CLOSE, b"")
+            self._write_now()
+
+    async def aclose(self) -> None:
+        """Close this end: the rank's ``receive()`` ends, its ``send()`` fails.
+
+        Idempotent. Messages not yet received are dropped.
+        """
+        if not self._closed:
+            self.close_sending()
+            self._closed = True
+            self.release()
+        await checkpoint()
+
+    def drain_and_release(self) -> None:
+        """Keep every frame the rank sent that can be read now, then :meth:`release`.
+
+        For the end of an attempt: what it sent just before it exited is still
+        in the socket, and stays receivable. No waiting (nothing more can come).
+        """
+        while not self._ended:
+            frame = self._link.frame_now()
+            if frame is False:
+                break
+            self._take(frame if isinstance(frame, tuple) else None)
+        self.release()
+
+    def release(self) -> None:
+        """Release the transport (the attempt is over or was replaced); no waiting."""
+        if not self._ended:
+            self._ended = True
+            self._link.close()
+            self._changed.notify()
+
+    async def call(self, call_id: int, request: bytes) -> bytes | bytearray:
+        """Send one CALL frame and wait for its REPLY's payload.
+
+        Raises:
+            ProcessException: The rank failed before it answered.
+            anyio.BrokenResourceError: The rank ended, or closed its channel,
+                without answering.
+        """
+        self._check_sendable()
+        self._replies[call_id] = None
+        try:
+            await self._send_frame(Kind.CALL, CALL_ID.pack(call_id) + request)
+            await self._read_until(lambda: self._replies[call_id] is not None)
+            reply = self._replies[call_id]
+            if reply is not None:
+                return reply
+            if self._closed:
+                raise anyio.ClosedResourceError
+            await self._raise_end(f"rank {self.rank} ended before it answered")
+            raise AssertionError("unreachable")
+        finally:
+            del self._replies[call_id]  # a late answer finds no call, and is dropped
+
+    async def wait_ready(self) -> None:
+        """Read until the rank is ready, or its stream ends."""
+        await self._read_until(lambda: self.ready)
+
+    async def read(self) -> None:
+        """Read frames for as long as the stream lasts (the group's supervision does)."""
+        await self._read_until(lambda: False)
+
+    # ------------------------------------------------------------------ inside
+
+    def _check_sendable(self) -> None:
+        if self._closed or self._eof_sent:
+            raise anyio.ClosedResourceError
+
+    async def _send_frame(self, kind: int, payload: bytes) -> None:
+        async with self._send_lock:
+            await self._flush(QUEUED_BYTES)
+            self._check_sendable()
+            self._link.queue_frame(kind, payload)
+            await self._flush(0)
+
+    async def _flush(self, below: int) -> None:
+        """Write until fewer than ``below`` bytes (none, for 0) are left queued."""
+        while True:
+            if self._ended:
+                await self._raise_end(f"rank {self.rank} has ended")
+            try:
+                if self._link.write_some() or self._link.queued < below:
+                    return
+            except OSError:  # the rank's end is closed: it has exited
+                await self._raise_end(f"rank {self.rank} has ended")
+            await self._link.wait_writable()
+
+    def _write_now(self) -> None:
+        if self._link.queued and not self._ended:
+            # The rank may be gone; whoever reads next learns how it ended.
+            with contextlib.suppress(OSError):
+                self._link.write_some()
+
+    async def _read_until(self, done: Callable[[], bool]) -> None:
+        """Return once ``done()``, the stream has ended, or :meth:`aclose` was called."""
+        while not (done() or self._ended):
+            if self._reading:
+                await self._changed.wait()
+                continue
+            self._reading = True
+            try:
+                await self._read_frame()
+            finally:
+                self._reading = False
+                self._changed.notify()
+
+    async def _read_frame(self) -> None:
+        while (
+            len(self._inbox) >= INBOX_MESSAGES or self._inbox_bytes >= INBOX_BYTES
+        ) and not self._ended:
+            await self._changed.wait()  # full: the rank waits until a receive() makes room
+        if self._ended:
+            return
+        frame: tuple[int, bytes | bytearray] | object | None = _NOTHING_YET
+        if self._link.queued:  # what a cancelled send left: keep it moving
+            self._write_now()
+            with anyio.move_on_after(_RETRY_WRITE):
+                frame = await self._link.receive_frame()
+        else:
+            frame = await self._link.receive_frame()
+        if frame is not _NOTHING_YET:
+            self._take(frame if isinstance(frame, tuple) else None)
+
+    def _take(self, frame: tuple[int, bytes | bytearray] | None) -> None:
+        """Sort one frame (None: the end of the stream); nothing is decoded here."""
+        if frame is None:
+            self.release()
+            return
+        kind, payload = frame
+        if kind == Kind.MESSAGE:
+            self._inbox.append(payload)
+            self._inbox_bytes += len(payload)
+        elif kind == Kind.REPLY:
+            (call_id,) = CALL_ID.unpack_from(payload)
+            if call_id in self._replies:  # else the call was cancelled or timed out
+                self._replies[call_id] = memoryview(payload)[CALL_ID.size :].tobytes()
+        elif kind == Kind.READY:
+            if self.ready_payload is None:
+                self.ready_payload = payload
+                self._on_ready(self._handle)
+        elif kind == Kind.CLOSE:
+            self._rank_closed = True
+            self.release()
+
+    async def _raise_end(self, message: str | None = None) -> None:
+        """Raise how the stream ended: EndOfStream, or the rank's failure."""
+        if self._closed:
+            raise anyio.ClosedResourceError
+        if not self._rank_closed:
+            exit = await self._handle.wait()
+            if not exit.succeeded:
+                raise exit.exception()
+        if message is not None:
+            raise anyio.BrokenResourceError(message)
+        raise anyio.EndOfStream

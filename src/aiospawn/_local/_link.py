@@ -1,0 +1,137 @@
+"""A local rank's channel transport: one end of a Unix socket pair, read on the event loop.
+
+The supervisor keeps one end (non-blocking), the rank gets the other (see
+``aiospawn._rank.channel``); both are made with the rank, like its result
+pipe, and recorded in the descriptor table a ``fork`` rank clears.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import socket
+
+import anyio
+from anyio.lowlevel import checkpoint
+
+from aiospawn._rank.wire import HEADER, ChildEnd, FrameReader
+
+from . import _pipes
+
+_READ_CHUNK = 256 * 1024
+#: At most this much is read per wake-up, so that the loop runs other tasks between.
+_READ_BUDGET = 1024 * 1024
+
+
+def rank_socket() -> tuple[int, ChildEnd]:
+    """Make a rank's channel: ``(our end, the rank's end)``, both close-on-exec."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    return _pipes.track(ours.detach()), ChildEnd(_pipes.track(theirs.detach()))
+
+
+class SocketLink:
+    """The supervisor's end of one local rank's channel (see ``_core._channel.Link``)."""
+
+    def __init__(self, fd: int) -> None:
+        os.set_blocking(fd, False)
+        self._fd: int | None = fd
+        self._reader = FrameReader()
+        self._budget_spent = False  # frame_now() stopped for the loop's sake, not for data
+        self._out: collections.deque[memoryview] = collections.deque()
+        self._queued = 0
+
+    async def receive_frame(self) -> tuple[int, bytes | bytearray] | None:
+        """The next frame, or None at the end of the stream; cancellation-safe."""
+        while True:
+            frame = self.frame_now()
+            if frame is not False:
+                assert frame is not True
+                return frame
+            if self._budget_spent:  # a large frame: let other tasks run between reads
+                self._budget_spent = False
+                await checkpoint()
+                continue
+            fd = self._fd
+            if fd is None:
+                return None
+            try:
+                await anyio.wait_readable(fd)
+            except anyio.ClosedResourceError:  # released meanwhile
+                return None
+
+    def frame_now(self) -> tuple[int, bytes | bytearray] | bool | None:
+        """The next frame if it can be read without waiting; None at the end, else False."""
+        budget = _READ_BUDGET
+        while budget > 0:
+            fd = self._fd
+            if fd is None:
+                return None
+            try:
+                data = os.read(fd, min(self._reader.wanted, _READ_CHUNK))
+            except BlockingIOError:
+                return False
+            except ConnectionResetError:  # the rank exited with our frames unread
+                data = b""
+            if not data:
+                return None
+            self._reader.feed(data)
+            frame = self._reader.frame()
+            if frame is not None:
+                self._reader = FrameReader()
+                return frame
+            budget -= len(data)
+        self._budget_spent = True
+        return False
+
+    def queue_frame(self, kind: int, payload: bytes) -> None:
+        """Add a frame, whole, to the outgoing queue."""
+        self._out.append(memoryview(HEADER.pack(kind, len(payload))))
+        if payload:
+            self._out.append(memoryview(payload))
+        self._queued += HEADER.size + len(payload)
+
+    @property
+    def queued(self) -> int:
+        """Bytes queued and not yet written."""
+        return self._queued
+
+    def write_some(self) -> bool:
+        """Write what the socket takes now; True once nothing is queued.
+
+        Raises:
+            BrokenPipeError: The rank's end is closed.
+        """
+        fd = self._fd
+        if fd is None:
+            raise BrokenPipeError("the channel was released")
+        while self._out:
+            head = self._out[0]
+            try:
+                written = os.write(fd, head)
+            except BlockingIOError:
+                return False
+            except ConnectionResetError as exc:
+                raise BrokenPipeError(str(exc)) from exc
+            self._queued -= written
+            if written == len(head):
+                self._out.popleft()
+            else:
+                self._out[0] = head[written:]
+        return True
+
+    async def wait_writable(self) -> None:
+        """Wait until the socket takes more."""
+        fd = self._fd
+        if fd is None:
+            return
+        with contextlib.suppress(anyio.ClosedResourceError):  # released meanwhile
+            await anyio.wait_writable(fd)
+
+    def close(self) -> None:
+        """Close our end, waking a task that waits on it."""
+        fd, self._fd = self._fd, None
+        self._out.clear()
+        self._queued = 0
+        if fd is not None:
+            _pipes.close_watched(fd)

@@ -1,0 +1,423 @@
+"""A rank's end of its channel to the supervisor: messages, readiness and calls.
+
+Each local rank gets one end of a private Unix socket pair, made with the
+rank like its result pipe (no port, no path: nothing another process can
+open). Frames go both ways, in the shape of the outcome frame (``wire``):
+a kind byte, a length, a pickle. The kinds are :class:`~.wire.Link`'s.
+
+- :class:`Channel`: ``send(obj)``, ``receive()``, iteration, ``close()``,
+  blocking, for a sync rank. :class:`AsyncChannel`: the same, awaitable, on
+  the rank's own event loop (asyncio or trio) for an ``async def fn``.
+- :func:`~aiospawn._rank.api.ready` sends one READY frame.
+- ``serve(handler)`` answers CALL frames with REPLY frames until the
+  supervisor closes its end.
+
+The two directions are independent streams. While a rank waits for one kind
+of frame, frames of the other kinds that arrive are kept, in order: a message
+that comes while ``serve()`` waits for a call is there for the next
+``receive()``, a call that comes during ``receive()`` for the next ``serve()``.
+
+Cancellation (async ranks): a frame is queued whole before its first byte is
+written. A task cancelled while the socket is full leaves the rest of its
+frame queued; it goes out before anything sent after it, and at the latest
+when the rank ends. A cancelled ``receive()`` loses nothing: a frame read in
+part stays in the reader until the next one.
+
+Part of the rank-side package: standard library only. The event loop of an
+async rank is imported by the bootstrap that runs it.
+"""
+
+from __future__ import annotations
+
+import _thread
+import collections
+import contextlib
+import os
+import pickle
+import select
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from .wire import CALL_ID, HEADER, FrameReader, Link, encode_exception, from_fn
+
+_READ_CHUNK = 256 * 1024
+
+
+class _Frames:
+    """The rank's socket end: frames queued to write, frames read and sorted by kind."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        os.set_blocking(fd, False)
+        self._identity = _identity(fd)
+        self._out: collections.deque[memoryview] = collections.deque()
+        self._reader = FrameReader()
+        self.messages: collections.deque[bytes | bytearray] = collections.deque()
+        self.calls: collections.deque[bytes | bytearray] = collections.deque()
+        #: True once the supervisor closed its end (a CLOSE frame, or end of file).
+        self.peer_closed = False
+        self.closed = False
+
+    def queue(self, kind: int, payload: bytes) -> None:
+        self._check_open()
+        self._out.append(memoryview(HEADER.pack(kind, len(payload))))
+        if payload:
+            self._out.append(memoryview(payload))
+
+    @property
+    def unsent(self) -> bool:
+        return bool(self._out)
+
+    def write_some(self) -> bool:
+        """Write what the socket takes now; True once nothing is left queued."""
+        while self._out:
+            head = self._out[0]
+            try:
+                written = os.write(self.fd, head)
+            except BlockingIOError:
+                return False
+            except (BrokenPipeError, ConnectionResetError):
+                # The supervisor closed its end (or is gone): nothing written
+                # could be read.
+                self._out.clear()
+                self.peer_closed = True
+                raise BrokenPipeError("the supervisor closed this rank's channel") from None
+            if written == len(head):
+                self._out.popleft()
+            else:
+                self._out[0] = head[written:]
+        return True
+
+    def read_some(self) -> None:
+        """Read what the socket holds now, sorting each complete frame by kind."""
+        while not self.peer_closed:
+            try:
+                data = os.read(self.fd, min(self._reader.wanted, _READ_CHUNK))
+            except BlockingIOError:
+                return
+            except ConnectionResetError:
+                data = b""
+            if not data:
+                self.peer_closed = True
+                return
+            self._reader.feed(data)
+            frame = self._reader.frame()
+            if frame is None:
+                continue
+            self._reader = FrameReader()
+            kind, payload = frame
+            if kind == Link.MESSAGE:
+                self.messages.append(payload)
+            elif kind == Link.CALL:
+                self.calls.append(payload)
+            elif kind == Link.CLOSE:
+                self.peer_closed = True
+
+    def wait(self, write: bool, deadline: float | None = None) -> None:
+        """Block until the socket can be written (or read); at most until ``deadline``."""
+        poller = select.poll()
+        poller.register(self.fd, select.POLLOUT if write else select.POLLIN)
+        timeout = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
+        poller.poll(timeout)
+
+    def flush(self, deadline: float | None = None) -> None:
+        """Write everything queued, blocking; give up at ``deadline``."""
+        while not self.write_some():
+            if deadline is not None and time.monotonic() >= deadline:
+                return
+            self.wait(True, deadline)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            os.close(self.fd)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise OSError("this rank's channel is closed")
+
+
+def encode(obj: Any) -> bytes:
+    """Pickle ``obj`` for a frame; a failure is a TypeError naming what could not go."""
+    try:
+        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        raise TypeError(f"cannot send {type(obj).__qualname__} over the channel: {exc}") from exc
+
+
+def _reply(call_id: int, ok: bool, value: Any) -> bytes:
+    if ok:
+        try:
+            answer = pickle.dumps((True, value), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:
+            error = TypeError(f"the handler's return value cannot be pickled: {exc}")
+            error.__cause__ = exc
+            value = error
+        else:
+            return CALL_ID.pack(call_id) + answer
+    return CALL_ID.pack(call_id) + pickle.dumps((False, encode_exception(value)))
+
+
+def _request(call: bytes | bytearray) -> tuple[int, str, tuple[Any, ...], dict[str, Any]]:
+    (call_id,) = CALL_ID.unpack_from(call)
+    method, args, kwargs = pickle.loads(memoryview(call)[CALL_ID.size :])
+    return call_id, method, args, kwargs
+
+
+def _lookup(handler: Any, method: str) -> Any:
+    if not isinstance(method, str) or method.startswith("_"):
+        raise AttributeError(f"serve() answers calls of public methods only, not {method!r}")
+    return getattr(handler, method)
+
+
+class Channel:
+    """The rank's end of its channel, in a sync rank: blocking calls.
+
+    Get it with ``aiospawn.channel()``. Safe to use from several threads:
+    sends are serialised, and so are receives.
+    """
+
+    def __init__(self, frames: _Frames) -> None:
+        self._frames = frames
+        self._sending = _thread.allocate_lock()
+        self._receiving = _thread.allocate_lock()
+
+    def send(self, obj: Any) -> None:
+        """Send ``obj`` (pickled) to the supervisor; blocks while the channel is full.
+
+        Raises:
+            TypeError: ``obj`` cannot be pickled.
+            BrokenPipeError: The supervisor closed its end (``aclose()``).
+            OSError: The channel was closed by this rank.
+        """
+        payload = encode(obj)
+        with self._sending:
+            self._frames.queue(Link.MESSAGE, payload)
+            self._frames.flush()
+
+    def receive(self) -> Any:
+        """Wait for the next message from the supervisor and return it.
+
+        Raises:
+            EOFError: The supervisor closed its end and every message was received.
+            OSError: The channel was closed by this rank.
+        """
+        with self._receiving:
+            return pickle.loads(self._next(self._frames.messages))
+
+    def __iter__(self) -> Iterator[Any]:
+        """Yield messages until the supervisor closes its end."""
+        while True:
+            try:
+                yield self.receive()
+            except EOFError:
+                return
+
+    def serve(self, handler: Any) -> None:
+        """Answer the supervisor's ``ctx.call()`` with ``handler``'s methods until it closes.
+
+        See ``aiospawn.serve``.
+        """
+        with self._receiving:
+            while True:
+                try:
+                    call = self._next(self._frames.calls)
+                except EOFError:
+                    return
+                call_id, method, args, kwargs = _request(call)
+                try:
+                    value, ok = _lookup(handler, method)(*args, **kwargs), True
+                except Exception as exc:
+                    value, ok = from_fn(exc), False
+                with self._sending:
+                    self._frames.queue(Link.REPLY, _reply(call_id, ok, value))
+                    self._frames.flush()
+
+    def close(self) -> None:
+        """Tell the supervisor nothing more comes (its ``receive()`` ends), and close."""
+        with self._sending:
+            if not self._frames.closed:
+                self._frames.queue(Link.CLOSE, b"")
+                self._frames.flush()
+                self._frames.close()
+
+    def _next(self, kept: collections.deque[bytes | bytearray]) -> bytes | bytearray:
+        frames = self._frames
+        while True:
+            frames._check_open()
+            if kept:
+                return kept.popleft()
+            if frames.peer_closed:
+                raise EOFError("the supervisor closed this rank's channel")
+            frames.read_some()
+            if not kept and not frames.peer_closed:
+                frames.wait(False)
+
+
+class AsyncChannel:
+    """The rank's end of its channel, in an ``async def fn``: awaitable calls.
+
+    Get it with ``aiospawn.channel()``. One task at a time may send, and one
+    may receive (or serve); a second gets RuntimeError.
+    """
+
+    def __init__(self, frames: _Frames, loop: str) -> None:
+        self._frames = frames
+        self._loop = loop
+        self._sender: object | None = None
+        self._receiver: object | None = None
+
+    async def send(self, obj: Any) -> None:
+        """Send ``obj`` to the supervisor; waits while the channel is full.
+
+        Raises:
+            TypeError: ``obj`` cannot be pickled.
+            OSError: The channel was closed by this rank.
+
+        Cancellation:
+            The message is queued whole before it is written: if the task is
+            cancelled meanwhile, what is left of it still goes out, first.
+        """
+        payload = encode(obj)
+        self._claim("_sender", "send")
+        try:
+            self._frames.queue(Link.MESSAGE, payload)
+            await self._flush()
+        finally:
+            self._sender = None
+
+    async def receive(self) -> Any:
+        """Wait for the next message from the supervisor and return it.
+
+        Raises:
+            EOFError: The supervisor closed its end and every message was received.
+            OSError: The channel was closed by this rank.
+        """
+        self._claim("_receiver", "receive")
+        try:
+            payload = await self._next(self._frames.messages)
+        finally:
+            self._receiver = None
+        return pickle.loads(payload)
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        return self._messages()
+
+    async def _messages(self) -> AsyncIterator[Any]:
+        while True:
+            try:
+                message = await self.receive()
+            except EOFError:
+                return
+            yield message
+
+    async def serve(self, handler: Any) -> None:
+        """Answer the supervisor's calls with ``handler``'s methods (sync or async) until closed."""
+        self._claim("_receiver", "serve")
+        try:
+            while True:
+                try:
+                    call = await self._next(self._frames.calls)
+                except EOFError:
+                    return
+                call_id, method, args, kwargs = _request(call)
+                try:
+                    value = _lookup(handler, method)(*args, **kwargs)
+                    if hasattr(value, "__await__"):
+                        value = await value
+                    ok = True
+                except Exception as exc:
+                    value, ok = from_fn(exc), False
+                self._frames.queue(Link.REPLY, _reply(call_id, ok, value))
+                await self._flush()
+        finally:
+            self._receiver = None
+
+    async def aclose(self) -> None:
+        """Tell the supervisor nothing more comes (its ``receive()`` ends), and close."""
+        if not self._frames.closed:
+            self._frames.queue(Link.CLOSE, b"")
+            await self._flush()
+            self._frames.close()
+
+    def _claim(self, role: str, what: str) -> None:
+        if getattr(self, role) is not None:
+            raise RuntimeError(f"another task is already waiting in {what}() on this channel")
+        setattr(self, role, object())
+
+    async def _flush(self) -> None:
+        while not self._frames.write_some():
+            await self._wait(write=True)
+
+    async def _next(self, kept: collections.deque[bytes | bytearray]) -> bytes | bytearray:
+        frames = self._frames
+        while True:
+            frames._check_open()
+            if frames.unsent and self._sender is None:
+                await self._flush()  # what a cancelled send left, first
+            if kept:
+                return kept.popleft()
+            if frames.peer_closed:
+                raise EOFError("the supervisor closed this rank's channel")
+            frames.read_some()
+            if not kept and not frames.peer_closed:
+                await self._wait(write=False)
+
+    async def _wait(self, write: bool) -> None:
+        fd = self._frames.fd
+        if self._loop == "trio":
+            import trio
+
+            await (trio.lowlevel.wait_writable if write else trio.lowlevel.wait_readable)(fd)
+            return
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        woken = loop.create_future()
+
+        def wake() -> None:
+            if not woken.done():
+                woken.set_result(None)
+
+        if write:
+            loop.add_writer(fd, wake)
+        else:
+            loop.add_reader(fd, wake)
+        try:
+            await woken
+        finally:
+            if write:
+                loop.remove_writer(fd)
+            else:
+                loop.remove_reader(fd)
+
+
+def _identity(fd: int) -> tuple[int, int] | None:
+    try:
+        info = os.fstat(fd)
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino
+
+
+def finish(frames: _Frames | None, patience: float) -> None:
+    """At the rank's end: send what cancelled sends left queued (for ``patience`` s), close.
+
+    Nothing is done if the rank's own code closed the socket (``os.closerange``):
+    its number may hold another file of the rank's by now.
+    """
+    if frames is None or frames.closed:
+        return
+    if _identity(frames.fd) != frames._identity:
+        frames.closed = True
+        return
+    if frames.unsent:
+        with contextlib.suppress(OSError):
+            frames.flush(time.monotonic() + patience)
+    frames.close()
+
+
+def open_channel(fd: int) -> _Frames:
+    """The rank's frames over its socket end ``fd``."""
+    return _Frames(fd)
