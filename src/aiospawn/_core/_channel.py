@@ -1,7 +1,9 @@
 """The supervisor's end of a rank's channel: messages, readiness and calls, on the event loop.
 
-Each attempt at a rank has one :class:`RankChannel` over one :class:`Link`
-(the backend's frame transport: a socket pair for local ranks). A restarted
+Each attempt at a rank has one :class:`Conversation` over one ``Link`` (the
+backend's frame transport, ``_backend.Link``: a socket pair for local ranks),
+and users hold its thin public handle, :class:`RankChannel`; the group reads
+READY and REPLY frames through the conversation. A restarted
 rank gets a new channel; the old one ends with its attempt, so nothing meant
 for a dead attempt reaches its successor.
 
@@ -27,7 +29,7 @@ import collections
 import contextlib
 import pickle
 from collections.abc import Callable
-from typing import Any
+from typing import Any, final
 
 import anyio
 import anyio.abc
@@ -97,13 +99,91 @@ async def decode(payload: bytes | bytearray) -> Any:
     return pickle.loads(payload)
 
 
+@final
 class RankChannel(anyio.abc.ObjectStream[Any]):
-    """The supervisor's end of one rank's channel (``ctx.channel(rank)``).
+    """The supervisor's end of one rank's channel, from ``ctx.channel(rank)``.
 
     An anyio object stream: ``await send(obj)``, ``await receive()``,
     ``async for``, ``send_eof()``, ``aclose()``, ``async with``. Objects are
-    pickled. The rank's end is ``aiospawn.channel()``.
+    pickled. The rank's end is ``aiospawn.channel()``. One channel per attempt
+    at the rank: after a restart, ``ctx.channel(rank)`` is a new one.
     """
+
+    def __init__(self, token: object, conversation: Conversation) -> None:
+        if token is not _CONSTRUCT:
+            raise TypeError("a RankChannel is made by ctx.channel(rank)")
+        self._conversation = conversation
+
+    @classmethod
+    def _of(cls, conversation: Conversation) -> RankChannel:
+        return cls(_CONSTRUCT, conversation)
+
+    @property
+    def rank(self) -> int:
+        """The rank at the other end."""
+        return self._conversation.rank
+
+    @property
+    def ready(self) -> bool:
+        """True once the supervisor has seen the rank's ``aiospawn.ready()``."""
+        return self._conversation.ready
+
+    async def send(self, item: Any) -> None:
+        """Send ``item`` to the rank: its ``aiospawn.channel().receive()`` returns it.
+
+        Waits while the rank does not read and more than 256 KiB wait to be
+        written to it.
+
+        Raises:
+            TypeError: ``item`` cannot be pickled.
+            anyio.ClosedResourceError: :meth:`aclose` or :meth:`send_eof` was called.
+            ProcessException: The rank has failed (exited badly, was killed or stopped).
+            anyio.BrokenResourceError: The rank has ended successfully, or closed its end.
+
+        Cancellation:
+            Safe: the message is queued whole or not at all. Once queued it is
+            delivered, even if the task is cancelled while it is written.
+        """
+        await self._conversation.send(item)
+
+    async def receive(self) -> Any:
+        """Wait for the rank's next message and return it.
+
+        Raises:
+            anyio.EndOfStream: The rank closed its end (``close()``) or
+                returned, and every message it sent has been received.
+            ProcessException: The rank failed (raised, exited badly, was
+                killed or stopped) with no message left to receive.
+            anyio.ClosedResourceError: :meth:`aclose` was called.
+
+        Cancellation:
+            Safe: a message is either returned or stays first in line.
+        """
+        return await self._conversation.receive()
+
+    async def send_eof(self) -> None:
+        """Tell the rank nothing more comes: its ``receive()`` raises ``EOFError``.
+
+        The rank's messages can still be received, and its calls answered.
+        """
+        await self._conversation.send_eof()
+
+    async def aclose(self) -> None:
+        """Close this end: the rank's ``receive()`` ends, its ``send()`` fails.
+
+        Idempotent. Messages not yet received are dropped.
+        """
+        await self._conversation.aclose()
+
+    def __repr__(self) -> str:
+        return f"<RankChannel rank={self.rank}{self._conversation.summary()}>"
+
+
+_CONSTRUCT = object()
+
+
+class Conversation:
+    """Everything the supervisor holds of one attempt's channel; :class:`RankChannel` fronts it."""
 
     def __init__(
         self, handle: RankHandle, link: Link, on_ready: Callable[[RankHandle], None]
@@ -123,6 +203,7 @@ class RankChannel(anyio.abc.ObjectStream[Any]):
         self._send_lock = anyio.Lock()
         self._receive_lock = anyio.Lock()
         self.ready_payload: bytes | bytearray | None = None
+        self._public: RankChannel | None = None
 
     @property
     def rank(self) -> int:
@@ -134,39 +215,29 @@ class RankChannel(anyio.abc.ObjectStream[Any]):
         """True once the rank has called ``aiospawn.ready()``."""
         return self.ready_payload is not None
 
+    @property
+    def handle(self) -> RankChannel:
+        """The public handle of this conversation (one, made on first use)."""
+        if self._public is None:
+            self._public = RankChannel._of(self)
+        return self._public
+
+    def summary(self) -> str:
+        """The state, for ``repr``: `` ready``, `` ended``, `` closed``."""
+        state = " ready" if self.ready else ""
+        if self._closed:
+            return state + " closed"
+        return state + (" ended" if self._ended else "")
+
     async def send(self, item: Any) -> None:
-        """Send ``item`` to the rank (its ``receive()`` returns it).
-
-        Waits while the rank is not reading and its channel is full.
-
-        Raises:
-            TypeError: ``item`` cannot be pickled.
-            anyio.ClosedResourceError: :meth:`aclose` or :meth:`send_eof` was called.
-            ProcessException: The rank has failed (exited badly or was stopped).
-            anyio.BrokenResourceError: The rank has ended successfully.
-
-        Cancellation:
-            Safe: the message is queued whole or not at all. Once queued it is
-            delivered, even if the task is cancelled while it is written.
-        """
+        """:meth:`RankChannel.send`."""
         await checkpoint()
         self._check_sendable()
         payload = await encode(item)
         await self._send_frame(Kind.MESSAGE, payload)
 
     async def receive(self) -> Any:
-        """Wait for the rank's next message and return it.
-
-        Raises:
-            anyio.EndOfStream: The rank closed its end (``close()``) or
-                returned, and every message it sent has been received.
-            ProcessException: The rank failed (raised, exited badly, was
-                killed or stopped) with no message left to receive.
-            anyio.ClosedResourceError: :meth:`aclose` was called.
-
-        Cancellation:
-            Safe: a message is either returned or stays first in line.
-        """
+        """:meth:`RankChannel.receive`."""
         await checkpoint()
         async with self._receive_lock:
             await self._read_until(lambda: bool(self._inbox))
@@ -182,10 +253,7 @@ class RankChannel(anyio.abc.ObjectStream[Any]):
         await self._raise_end()
 
     async def send_eof(self) -> None:
-        """Tell the rank nothing more comes: its ``receive()`` raises ``EOFError``.
-
-        Its messages can still be received, and calls still answered.
-        """
+        """:meth:`RankChannel.send_eof`."""
         if self._closed or self._eof_sent:
             return
         self._eof_sent = True
@@ -202,27 +270,28 @@ class RankChannel(anyio.abc.ObjectStream[Any]):
             self._write_now()
 
     async def aclose(self) -> None:
-        """Close this end: the rank's ``receive()`` ends, its ``send()`` fails.
-
-        Idempotent. Messages not yet received are dropped.
-        """
+        """:meth:`RankChannel.aclose`."""
         if not self._closed:
             self.close_sending()
             self._closed = True
             self.release()
         await checkpoint()
 
-    def drain_and_release(self) -> None:
-        """Keep every frame the rank sent that can be read now, then :meth:`release`.
+    def drain(self) -> None:
+        """Sort every frame the rank sent that can be read now, without waiting.
 
-        For the end of an attempt: what it sent just before it exited is still
-        in the socket, and stays receivable. No waiting (nothing more can come).
+        For an attempt that has exited: what it sent just before is still in
+        the socket, and stays receivable once the transport is released.
         """
         while not self._ended:
             frame = self._link.frame_now()
             if frame is False:
                 break
             self._take(frame if isinstance(frame, tuple) else None)
+
+    def drain_and_release(self) -> None:
+        """:meth:`drain`, then :meth:`release`: the attempt is over."""
+        self.drain()
         self.release()
 
     def release(self) -> None:

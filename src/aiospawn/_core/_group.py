@@ -59,7 +59,7 @@ from anyio.lowlevel import checkpoint
 
 from ._backend import Backend, GroupLauncher, RankHandle
 from ._capture import CaptureBuffer
-from ._channel import RankChannel, decode, encode
+from ._channel import Conversation, RankChannel, decode, encode
 from ._concurrency import Broadcast, SingleWatcher, run_to_completion
 from ._errors import ProcessException, signal_name
 from ._events import (
@@ -140,7 +140,7 @@ class Group(Generic[T]):
         )
         self._tracker = RestartTracker(supervision.restart)
         self._restarts = [0] * spec.nprocs  # per slot: the current attempt's number
-        self._channels: dict[RankHandle, RankChannel] = {}  # per attempt, with a link
+        self._channels: dict[RankHandle, Conversation] = {}  # per attempt, with a link
         self._channels_closed = False  # the block ended: ranks' serve() may return
         self._call_ids = itertools.count(1)
         self._ranks: list[RankHandle] = self._make_ranks(range(spec.nprocs))
@@ -251,6 +251,9 @@ class Group(Generic[T]):
 
     def channel(self, index: int) -> RankChannel:
         """The channel of rank ``index``'s current attempt."""
+        return self._conversation(index).handle
+
+    def _conversation(self, index: int) -> Conversation:
         if isinstance(index, bool) or not isinstance(index, int):
             raise TypeError(f"rank must be an int, got {index!r}")
         if not 0 <= index < len(self._ranks):
@@ -264,39 +267,52 @@ class Group(Generic[T]):
         """``AsyncProcessContext.wait_ready()``, its argument checked."""
         limit = self._supervision.startup_timeout if timeout is None else timeout
         for index in range(len(self._ranks)):
-            self.channel(index)  # every rank has one
-        reading: set[RankChannel] = set()
+            self._conversation(index)  # every rank has one
+        reading: set[Conversation] = set()
         async with anyio.create_task_group() as tg:
             # Supervised meanwhile: a failure ends the wait, a restart is carried out.
             tg.start_soon(self._supervise)
             with anyio.move_on_after(math.inf if limit is None else limit) as deadline:
-                while not self._finished():
-                    unready = [rank for rank in self._ranks if not self._is_ready(rank)]
+                while self._root is None and self._shutdown is None:
+                    unready = self._unready()
                     if not unready and not self._tracker.pending and self._starting is None:
                         break
+                    if self._over():
+                        break  # and some returned before they were ready
                     for rank in unready:
-                        channel = self._channels[rank]
-                        if rank.started and channel not in reading:
-                            reading.add(channel)
-                            tg.start_soon(self._read_until_ready, channel)
+                        conversation = self._channels[rank]
+                        if rank.started and conversation not in reading:
+                            reading.add(conversation)
+                            tg.start_soon(self._read_until_ready, conversation)
                     await self._changed.wait()
             tg.cancel_scope.cancel()
-        if deadline.cancelled_caught:
-            late = [str(rank.rank) for rank in self._ranks if not self._is_ready(rank)]
-            raise TimeoutError(
-                f"rank(s) {', '.join(late)} did not call aiospawn.ready() within {limit:g} s"
-            )
-        if self._finished():
+        if self._root is not None or self._shutdown is not None:
             await self._join(0, None, until_all=True)  # raises the group's failure
-            raise RuntimeError(
-                "the group ended before every rank called aiospawn.ready(): ranks"
-                f" {', '.join(str(r.rank) for r in self._ranks if not self._is_ready(r))}"
-                " returned first"
+        unready = self._unready()
+        if deadline.cancelled_caught and unready:
+            raise TimeoutError(
+                f"rank(s) {', '.join(str(rank.rank) for rank in unready)} did not call"
+                f" aiospawn.ready() within {limit:g} s"
             )
-        payloads = [self._channels[rank].ready_payload for rank in self._ranks]
-        return [await decode(payload) for payload in payloads if payload is not None]
+        if unready:
+            raise RuntimeError(
+                f"rank(s) {', '.join(str(rank.rank) for rank in unready)} ended before"
+                " calling aiospawn.ready()"
+            )
+        return [await decode(self._channels[rank].ready_payload or b"") for rank in self._ranks]
 
-    async def _read_until_ready(self, channel: RankChannel) -> None:
+    def _unready(self) -> list[RankHandle]:
+        """The current attempts that have not called ``ready()``, as far as can be read now."""
+        unready = []
+        for rank in self._ranks:
+            conversation = self._channels[rank]
+            if not conversation.ready and rank.exit is not None:
+                conversation.drain()  # it may have said so just before it exited
+            if not conversation.ready:
+                unready.append(rank)
+        return unready
+
+    async def _read_until_ready(self, channel: Conversation) -> None:
         await channel.wait_ready()
         self._changed.notify()  # ready, or its stream ended (its exit is due)
 
@@ -315,13 +331,13 @@ class Group(Generic[T]):
     ) -> list[Any]:
         """``AsyncProcessContext.call()``, its arguments checked."""
         targets = list(range(len(self._ranks))) if ranks is None else list(ranks)
-        channels = {index: self.channel(index) for index in targets}
+        channels = {index: self._conversation(index) for index in targets}
         request = await encode((method, args, kwargs))
         call_id = next(self._call_ids)
         replies: dict[int, bytes | bytearray] = {}
         ended: dict[int, Exception] = {}
 
-        async def one(index: int, channel: RankChannel) -> None:
+        async def one(index: int, channel: Conversation) -> None:
             try:
                 replies[index] = await channel.call(call_id, request)
             except (ProcessException, anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
@@ -695,7 +711,7 @@ class Group(Generic[T]):
             raise
         for rank in made:
             if rank.link is not None:
-                channel = self._channels[rank] = RankChannel(rank, rank.link, self._on_ready)
+                channel = self._channels[rank] = Conversation(rank, rank.link, self._on_ready)
                 if self._channels_closed:
                     channel.close_sending()
         return made
