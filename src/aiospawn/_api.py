@@ -357,6 +357,8 @@ async def open_group(
             killed by a signal.
         TypeError, ValueError: As for :func:`start_processes`, before any
             process starts.
+        TimeoutError: With ``wait_ready``, a rank was not ready within
+            ``startup_timeout``; the ranks are shut down first.
 
     Cancellation:
         Cancelling the scope that owns the block shuts the ranks down

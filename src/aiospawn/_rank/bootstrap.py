@@ -22,7 +22,9 @@ runs, the rank
    or session, or being orphaned by a double fork.
 
 Then, for a ``fn`` sent by value, the rank unpickles it and ``args`` (see
-:func:`unpickle_in_rank`), and ``fn`` runs. When it ends (returns, raises or
+:func:`unpickle_in_rank`), and ``fn`` runs: an ``async def fn`` on a new event
+loop of the kind ``RankSetup.loop`` names (see :func:`_run_async`), imported
+only then. The rank's end of its channel (``channel``) is set up before. When it ends (returns, raises or
 calls ``sys.exit()``), every process it started that still runs is SIGKILLed,
 wherever it went, and only then is its outcome sent back as one frame (see
 ``wire``): a rank's leftover processes end with the rank. (When the supervisor
@@ -49,6 +51,8 @@ then ends (``os.closerange``)          non-zero code)    saying the outcome is l
 calls ``os._exit(0)``                  0                 success, result ``None``
 calls ``os._exit(n)``, n != 0          n                 ProcessExitedException
 is killed by a signal                  -signal           ProcessExitedException
+is an ``async def`` cancelled by       -SIGTERM          ProcessExitedException
+SIGTERM (its cleanup has run)                            (stopped by us)
 =====================================  ================  ==========================
 
 After ``fn``, the rank never returns into ``multiprocessing``: under ``fork``
