@@ -186,11 +186,16 @@ class Conversation:
     """Everything the supervisor holds of one attempt's channel; :class:`RankChannel` fronts it."""
 
     def __init__(
-        self, handle: RankHandle, link: Link, on_ready: Callable[[RankHandle], None]
+        self,
+        handle: RankHandle,
+        link: Link,
+        on_ready: Callable[[RankHandle], None],
+        supervised: Callable[[], bool],
     ) -> None:
         self._handle = handle
         self._link = link
         self._on_ready = on_ready
+        self._supervised = supervised
         self._inbox: collections.deque[bytes | bytearray] = collections.deque()
         self._inbox_bytes = 0
         self._replies: dict[int, bytes | bytearray | None] = {}
@@ -371,10 +376,35 @@ class Conversation:
                 continue
             self._reading = True
             try:
-                await self._read_frame()
+                await self._read_frame_or_exit()
             finally:
                 self._reading = False
                 self._changed.notify()
+
+    async def _read_frame_or_exit(self) -> None:
+        """Read one frame; or, once the attempt has exited, what it left, and end.
+
+        The end of the stream normally tells that the rank is gone; but a
+        process the rank forked may hold its socket open. So the attempt's
+        exit ends the stream too: the group's supervision watches it, and a
+        reader without supervision (a ``join=False`` group nobody joins)
+        watches it itself.
+        """
+        if self._handle.exit is not None:
+            self.drain_and_release()
+            return
+        if self._supervised():
+            await self._read_frame()
+            return
+        async with anyio.create_task_group() as tg:
+
+            async def until_exit() -> None:
+                await self._handle.wait()
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(until_exit)
+            await self._read_frame()
+            tg.cancel_scope.cancel()
 
     async def _read_frame(self) -> None:
         while (

@@ -107,6 +107,11 @@ class SingleWatcher:
     def __init__(self) -> None:
         self._watching: anyio.Event | None = None
 
+    @property
+    def busy(self) -> bool:
+        """True while a task runs the watch."""
+        return self._watching is not None
+
     async def run(self, finished: Callable[[], bool], watch: Callable[[], Awaitable[None]]) -> None:
         """Return once ``finished()``, watching with ``watch()`` while nobody else does."""
         while not finished():

@@ -711,7 +711,9 @@ class Group(Generic[T]):
             raise
         for rank in made:
             if rank.link is not None:
-                channel = self._channels[rank] = Conversation(rank, rank.link, self._on_ready)
+                channel = self._channels[rank] = Conversation(
+                    rank, rank.link, self._on_ready, lambda: self._supervisor.busy
+                )
                 if self._channels_closed:
                     channel.close_sending()
         return made

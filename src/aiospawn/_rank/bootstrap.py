@@ -24,10 +24,11 @@ runs, the rank
 Then, for a ``fn`` sent by value, the rank unpickles it and ``args`` (see
 :func:`unpickle_in_rank`), and ``fn`` runs: an ``async def fn`` on a new event
 loop of the kind ``RankSetup.loop`` names (see :func:`_run_async`), imported
-only then. The rank's end of its channel (``channel``) is set up before. When it ends (returns, raises or
-calls ``sys.exit()``), every process it started that still runs is SIGKILLed,
-wherever it went, and only then is its outcome sent back as one frame (see
-``wire``): a rank's leftover processes end with the rank. (When the supervisor
+only then. The rank's end of its channel (``channel``) is set up before.
+When ``fn`` ends (returns, raises or calls ``sys.exit()``), every process it
+started that still runs is SIGKILLed, wherever it went, then what a cancelled
+send left on the channel goes out, and only then is its outcome sent back as
+one frame (see ``wire``): a rank's leftover processes end with the rank. (When the supervisor
 dies, the guard kills them too.)
 The exit-code contract, row by row:
 
