@@ -1,4 +1,4 @@
-"""Rank functions of tests/test_rank_loops.py: which event loop runs an async rank, and what it imports."""
+"""Rank functions of tests/test_rank_loops.py: the loop an async rank runs on, what it imports."""
 
 from __future__ import annotations
 
