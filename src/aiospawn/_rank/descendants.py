@@ -26,15 +26,23 @@ import select
 import signal
 import time
 
+try:
+    # At import, not in become_subreaper(): a fork rank then finds it loaded in
+    # the supervisor, a forkserver rank in the fork server that preloaded the
+    # bootstrap. Imported by each rank, it took 3-10 ms of every rank's start.
+    import ctypes
+except ImportError:  # an interpreter built without _ctypes
+    ctypes = None  # type: ignore[assignment]
+
 #: prctl(2) option: orphaned descendants are re-parented to this process.
 PR_SET_CHILD_SUBREAPER = 36
 
 
 def become_subreaper() -> bool:
     """Make this process the subreaper of its descendants; False where that fails."""
+    if ctypes is None:  # prctl has no os-level binding
+        return False
     try:
-        import ctypes  # only here: prctl has no os-level binding
-
         libc = ctypes.CDLL(None, use_errno=True)
         return bool(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
     except (OSError, AttributeError):  # no libc prctl: not Linux
