@@ -173,6 +173,30 @@ def checks(results: dict[str, ScenarioResult]) -> list[Check]:
     )
     found += _against_peers(
         results,
+        "small_parent",
+        ("later group [ms]",),
+        [
+            (
+                "small parent: a later group within 1.2x of multiprocessing",
+                "multiprocessing",
+                lambda a, b: a <= 1.2 * b,
+            )
+        ],
+    )
+    found += _against_peers(
+        results,
+        "small_parent",
+        ("first group [ms]",),
+        [
+            (
+                "small parent: the first group within 1.5x of multiprocessing",
+                "multiprocessing",
+                lambda a, b: a <= 1.5 * b,
+            )
+        ],
+    )
+    found += _against_peers(
+        results,
         "large_arg",
         ("all running [ms]",),
         [

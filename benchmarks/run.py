@@ -19,6 +19,11 @@ import sys
 #: name -> (module, function, title), in report order.
 SCENARIOS = {
     "startup": ("bench_start", "startup", "Start-up"),
+    "small_parent": (
+        "bench_small_parent",
+        "small_parent",
+        "Start-up from a small parent (a fresh `python -c` supervisor)",
+    ),
     "large_arg": ("bench_start", "large_arg", "Large-argument start (torch issue 133010)"),
     "failure": ("bench_supervise", "failure", "Failure detection latency"),
     "lag": ("bench_supervise", "lag", "Event-loop lag while ranks start and stop"),

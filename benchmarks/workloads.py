@@ -99,3 +99,18 @@ def torch_fail_then_restart(rank: int, outdir: str) -> float:
     if rank == 1:
         write_stamp(outdir, "restarted", time.monotonic())
     return time.monotonic()
+
+
+def return_rank(rank: int) -> int:
+    """Return the rank: the trivial rank of a group whose values are collected."""
+    return rank
+
+
+def send_rank(rank: int, connection: object) -> None:
+    """Send the rank on ``connection`` (a ``multiprocessing.Pipe`` end): the same, by hand.
+
+    Typed ``object``: importing ``multiprocessing.connection`` (or ``typing``)
+    here would cost every rank that imports this module, whoever supervises it.
+    """
+    connection.send(rank)  # type: ignore[attr-defined]
+    connection.close()  # type: ignore[attr-defined]

@@ -25,20 +25,33 @@ import os
 import select
 import signal
 import time
+from collections.abc import Callable
 
 #: prctl(2) option: orphaned descendants are re-parented to this process.
 PR_SET_CHILD_SUBREAPER = 36
 
 
+def _find_prctl() -> Callable[..., int] | None:
+    # prctl has no os-level binding: libc's, through ctypes. Looked up at
+    # import, not in become_subreaper(): a fork rank then finds it in the
+    # supervisor, a forkserver rank in the fork server that preloaded the
+    # bootstrap. Imported and looked up by each rank, it took 3-10 ms of
+    # every rank's start.
+    try:
+        import ctypes
+
+        prctl: Callable[..., int] = ctypes.CDLL(None, use_errno=True).prctl
+    except (ImportError, OSError, AttributeError):  # no _ctypes, or no libc prctl: not Linux
+        return None
+    return prctl
+
+
+_prctl = _find_prctl()
+
+
 def become_subreaper() -> bool:
     """Make this process the subreaper of its descendants; False where that fails."""
-    try:
-        import ctypes  # only here: prctl has no os-level binding
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        return bool(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
-    except (OSError, AttributeError):  # no libc prctl: not Linux
-        return False
+    return _prctl is not None and _prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
 
 
 def descendants(root: int) -> list[int]:
