@@ -200,3 +200,31 @@ def restarted_inbox(rank: int) -> list[Any]:
         channel.receive()
         raise RuntimeError("first attempt fails on its first message")
     return list(channel)
+
+
+def unread_or_closed(rank: int) -> None:
+    """Rank 0 never reads its channel; rank 1 reports what it sees once it is closed.
+
+    Rank 1 raises on every path, so that its message reaches the test.
+    """
+    import aiospawn
+
+    aiospawn.ready()
+    if rank == 0:
+        time.sleep(600)
+    channel = aiospawn.channel()
+    try:
+        channel.receive()
+    except EOFError:
+        pass
+    else:
+        raise ValueError("a message came")
+    # On Ray the release reaches the rank just after the supervisor's CLOSE
+    # frame: a send or two in between go nowhere, then send() fails.
+    for _ in range(100):
+        try:
+            channel.send("after aclose")
+        except BrokenPipeError:
+            raise ValueError("EOFError, then BrokenPipeError") from None
+        time.sleep(0.05)
+    raise ValueError("EOFError, then the sends went through")

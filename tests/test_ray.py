@@ -703,6 +703,29 @@ async def test_sigterm_cancels_an_async_rank_after_a_round_trip(
     assert caught.value.exit_code == -signal.SIGTERM
 
 
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_back_pressure_and_aclose(cluster: LocalCluster) -> None:
+    ctx = await aiospawn.start_processes(
+        ray_ranks.unread_or_closed, nprocs=2, join=False, backend=backend_for(cluster)
+    )
+    try:
+        with tripwire(60, "back-pressure and aclose on Ray ranks"):
+            await ctx.wait_ready()
+            sent = 0
+            # Rank 0 reads nothing: the socket pair, the board's pipe and one
+            # chunk in flight fill up, and send() waits (bounded buffering).
+            with anyio.move_on_after(3):
+                while True:
+                    await ctx.channel(0).send(bytes(256 * 1024))
+                    sent += 1
+            assert 0 < sent < 64, f"{sent} messages of 256 KiB went to a rank that reads nothing"
+            await ctx.channel(1).aclose()
+            with pytest.raises(ProcessRaisedException, match="EOFError, then BrokenPipeError"):
+                await ctx.join()
+    finally:
+        await ctx.terminate()
+
+
 async def test_collective_calls(cluster: LocalCluster) -> None:
     backend = backend_for(cluster, placement="SPREAD")
     with tripwire(60, "collective calls on Ray ranks"):
@@ -715,7 +738,7 @@ async def test_collective_calls(cluster: LocalCluster) -> None:
                 await ctx.call("fail_on", 1)
             assert any("rank 1" in note for note in caught.value.__notes__)
             with pytest.raises(TimeoutError, match=r"rank\(s\) 0 did not answer"):
-                await ctx.call("stall", 0, 3.0, timeout=1)
+                await ctx.call("stall", 0, 2.0, timeout=0.5)
             # The late answer is dropped, never taken for the next call's.
             assert await ctx.call("scale", 5) == [(0, 0), (1, 5)]
     assert ctx.results == [0, 0]

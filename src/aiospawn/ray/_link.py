@@ -147,6 +147,10 @@ class RayLink:
         """
         if self._closed:
             raise BrokenPipeError("the channel was released")
+        if self._run is not None and self._run.done() and self._queued:
+            # Nobody takes what is left (a chunk in flight waits in the board
+            # until the channel is released): the rank's end is closed.
+            raise BrokenPipeError(f"rank attempt {self._key} has ended")
         push = self._push
         if push is not None:
             if not push.done():
@@ -161,8 +165,6 @@ class RayLink:
             self._queued -= self._push_size
         if not self._out:
             return True
-        if self._run is not None and self._run.done():
-            raise BrokenPipeError(f"rank attempt {self._key} has ended")
         chunk = self._out.popleft()
         self._push_size = len(chunk)
         self._push = self._submit("put", "down", bytes(chunk))
@@ -180,6 +182,14 @@ class RayLink:
         await changed.wait()
 
     # ------------------------------------------------------------- both
+
+    def stop_draining(self) -> None:
+        """Give up on what the board still holds from the ended rank (Ray does not answer)."""
+        if self.drained.is_set():
+            return
+        self._ended = True
+        self.drained.set()
+        self._poke()
 
     def close(self) -> None:
         """Release the channel here and on the board, waking a task that waits on it."""

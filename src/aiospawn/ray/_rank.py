@@ -30,6 +30,9 @@ from aiospawn._rank.wire import Kind, encode_exception
 from ._bridge import done_event
 from ._link import RayLink
 
+#: Seconds an ended rank's exit waits for its channel's last frames from the board.
+DRAIN_PATIENCE = 10.0
+
 
 class RayRank:
     """One attempt at one rank, run by a Ray actor (see ``_backend.RankHandle``).
@@ -139,7 +142,9 @@ class RayRank:
 
     async def _wait_done(self) -> None:
         await self._done.wait()
-        await self.link.drained.wait()
+        with anyio.move_on_after(DRAIN_PATIENCE):
+            await self.link.drained.wait()
+        self.link.stop_draining()  # a no-op once drained
 
     def discard(self) -> None:
         """Nothing to release before the actor exists."""

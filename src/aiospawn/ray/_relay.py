@@ -95,9 +95,11 @@ class RankRelay:
                 for chunk in chunks:
                     self._sock.sendall(chunk)  # blocks while the rank does not read
                 if ended:
-                    # The supervisor released the channel: the rank reads the end.
+                    # The supervisor released the channel (only a release ends
+                    # this direction): the rank reads the end, and its send()
+                    # gets BrokenPipeError, as when a local supervisor closes.
                     with contextlib.suppress(OSError):
-                        self._sock.shutdown(socket.SHUT_WR)
+                        self._sock.shutdown(socket.SHUT_RDWR)
                     return
         except Exception:  # the rank closed its end, or the board is gone
             with contextlib.suppress(OSError):
