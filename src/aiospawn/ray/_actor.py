@@ -20,6 +20,12 @@ or look them up; every call carries the group's random token; and only the
 signals the supervisor sends (:data:`BOARD_SIGNALS`) are accepted, by the
 board and again by the rank.
 
+The board also holds the frames of each rank's channel (``aiospawn.channel()``,
+``ctx.channel(rank)``), in a bounded pipe per attempt and direction: the rank
+actor cannot take calls of its own while ``fn`` runs, and ``_relay`` has the
+picture. An ``async def fn`` runs on its own event loop as in a local rank
+(``aiospawn._rank.bootstrap``), and SIGTERM cancels it the same way.
+
 The outcome of ``fn`` is the same ``(kind, payload)`` frame a local rank
 sends (see ``aiospawn._rank.wire``), so the supervisor builds the same exceptions from it.
 
@@ -244,6 +250,9 @@ class _Pipe:
 
 class SignalBoard:
     """Holds the signals sent to a group's ranks until each rank's thread takes them.
+
+    And the frames of the ranks' channels, in both directions (:meth:`put`,
+    :meth:`take`, :meth:`end`, :meth:`release`).
 
     Args:
         token: The group's secret; a call with another one is refused.
