@@ -143,17 +143,18 @@ class RayLink:
         """Submit the next chunk if none is in flight; True once the board took everything.
 
         Raises:
-            BrokenPipeError: The channel was released, or the rank has ended.
+            BrokenPipeError: The channel was released, or the rank has ended
+                with frames still to go.
         """
         if self._closed:
             raise BrokenPipeError("the channel was released")
-        if self._run is not None and self._run.done() and self._queued:
-            # Nobody takes what is left (a chunk in flight waits in the board
-            # until the channel is released): the rank's end is closed.
-            raise BrokenPipeError(f"rank attempt {self._key} has ended")
         push = self._push
         if push is not None:
             if not push.done():
+                if self._over():
+                    # Nobody takes it: the chunk waits in the board until the
+                    # channel is released. The rank's end is closed.
+                    raise BrokenPipeError(f"rank attempt {self._key} has ended")
                 return False
             self._push = None
             try:
@@ -165,6 +166,8 @@ class RayLink:
             self._queued -= self._push_size
         if not self._out:
             return True
+        if self._run is not None and self._run.done():
+            raise BrokenPipeError(f"rank attempt {self._key} has ended")
         chunk = self._out.popleft()
         self._push_size = len(chunk)
         self._push = self._submit("put", "down", bytes(chunk))
@@ -173,13 +176,18 @@ class RayLink:
         return False
 
     async def wait_writable(self) -> None:
-        """Wait until the chunk in flight is taken (or the rank ends)."""
+        """Wait until the chunk in flight is taken (or the rank has ended)."""
         changed = self._changed
         push = self._push
-        if push is None or push.done() or self._closed or (self._run and self._run.done()):
+        if push is None or push.done() or self._closed or self._over():
             await checkpoint()
             return
         await changed.wait()
+
+    def _over(self) -> bool:
+        # The rank's run() has finished and the board has answered since: a
+        # put still unanswered was not taken before the rank ended.
+        return self._run is not None and self._run.done() and self.drained.is_set()
 
     # ------------------------------------------------------------- both
 
