@@ -103,3 +103,128 @@ def imported_with(rank: int, name: str) -> str | None:
 
 
 _AT_IMPORT = dict(os.environ)
+
+
+# ---------------------------------------------------------------- live ranks
+# (aiospawn is imported in the function bodies: the module stays standard-library only.)
+
+
+async def async_square(rank: int, fail: bool) -> int:
+    """An ``async def fn``, on whichever loop the group names: rank 1 raises if ``fail``."""
+    import sniffio
+
+    await _sleep(sniffio.current_async_library(), 0)
+    if fail and rank == 1:
+        raise ValueError(f"async shard {rank} failed")
+    return rank * rank
+
+
+async def _sleep(library: str, seconds: float) -> None:
+    if library == "trio":
+        import trio
+
+        await trio.sleep(seconds)
+    else:
+        import asyncio
+
+        await asyncio.sleep(seconds)
+
+
+def echo(rank: int) -> str:
+    """Ready with a payload, then answer each message with (rank, message) until closed."""
+    import aiospawn
+
+    aiospawn.ready({"rank": rank, "pid": os.getpid()})
+    channel = aiospawn.channel()
+    channel.send(("hello", rank))
+    for message in channel:
+        if message == "die":
+            os.kill(os.getpid(), signal.SIGKILL)
+        channel.send((rank, message))
+    return "closed"
+
+
+async def async_echo(rank: int) -> str:
+    """:func:`echo` in an ``async def fn``; on SIGTERM its cleanup sends a last message."""
+    import aiospawn
+
+    aiospawn.ready(rank * 10)
+    channel = aiospawn.channel()
+    try:
+        async for message in channel:
+            await channel.send((rank, message))
+    finally:
+        await channel.send("cleaned up")
+    return "closed"
+
+
+class Shard:
+    """The handler of :func:`serve_shard`."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def scale(self, x: int) -> tuple[int, int]:
+        return self.rank, self.rank * x
+
+    def fail_on(self, bad: int) -> None:
+        if self.rank == bad:
+            raise ValueError(f"shard {self.rank} cannot")
+
+    def stall(self, bad: int, seconds: float) -> int:
+        if self.rank == bad:
+            time.sleep(seconds)
+        return self.rank
+
+    def die(self, bad: int) -> None:
+        if self.rank == bad:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def serve_shard(rank: int) -> int:
+    """Ready, then serve :class:`Shard` calls until the supervisor closes the channel."""
+    import aiospawn
+
+    aiospawn.ready()
+    aiospawn.serve(Shard(rank))
+    return aiospawn.restart_count()
+
+
+def restarted_inbox(rank: int) -> list[Any]:
+    """Attempt 0 fails on its first message; a later attempt returns what it received."""
+    import aiospawn
+
+    aiospawn.ready(aiospawn.restart_count())
+    channel = aiospawn.channel()
+    if aiospawn.restart_count() == 0:
+        channel.receive()
+        raise RuntimeError("first attempt fails on its first message")
+    return list(channel)
+
+
+def unread_or_closed(rank: int) -> None:
+    """Rank 0 never reads its channel; rank 1 reports what it sees once it is closed.
+
+    Rank 1 raises on every path, so that its message reaches the test.
+    """
+    import aiospawn
+
+    aiospawn.ready()
+    if rank == 0:
+        time.sleep(600)
+    channel = aiospawn.channel()
+    try:
+        channel.receive()
+    except EOFError:
+        pass
+    else:
+        raise ValueError("a message came")
+    # On Ray the release reaches the rank just after the supervisor's CLOSE
+    # frame: a send or two in between go nowhere, then send() fails.
+    for _ in range(100):
+        try:
+            channel.send("after aclose")
+        except BrokenPipeError:
+            raise ValueError("EOFError, then BrokenPipeError") from None
+        time.sleep(0.05)
+    raise ValueError("EOFError, then the sends went through")

@@ -16,6 +16,7 @@ anonymous, so other jobs cannot look them up, and are found by class) and
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import subprocess
 import sys
@@ -607,3 +608,167 @@ def test_the_board_refuses_foreign_tokens_and_signals_and_prunes_its_queues(
         assert await board.keys("secret") == []
 
     asyncio.run(scenario())
+
+
+# ------------------------------------------------------------------ live ranks
+# async def fn, readiness, channels and collective calls on Ray ranks: their
+# frames travel through the group's board (``aiospawn.ray._relay``).
+
+
+@pytest.mark.parametrize("rank_loop", ["asyncio", "trio"])
+async def test_async_fn_result_and_error(cluster: LocalCluster, rank_loop: str) -> None:
+    backend = backend_for(cluster)
+    with tripwire(60, "async Ray ranks returning"):
+        assert await aiospawn.spawn(
+            ray_ranks.async_square, args=(False,), nprocs=2, backend=backend, rank_loop=rank_loop
+        ) == [0, 1]
+        with pytest.raises(ProcessRaisedException, match="async shard 1 failed") as caught:
+            await aiospawn.spawn(
+                ray_ranks.async_square, args=(True,), nprocs=2, backend=backend, rank_loop=rank_loop
+            )
+    assert caught.value.error_index == 1
+    assert isinstance(caught.value.__cause__ or caught.value, Exception)
+
+
+async def test_ready_payloads_and_channel_round_trips(cluster: LocalCluster) -> None:
+    backend = backend_for(cluster, placement="SPREAD")
+    with tripwire(60, "a channel round trip with Ray ranks"):
+        async with aiospawn.open_group(ray_ranks.echo, nprocs=2, backend=backend) as ctx:
+            payloads = await ctx.wait_ready()
+            assert [payload["rank"] for payload in payloads] == [0, 1]
+            assert [payload["pid"] for payload in payloads] == ctx.pids()
+            assert all(rank.ready for rank in ctx.statistics().ranks)
+            for rank in (0, 1):
+                channel = ctx.channel(rank)
+                assert await channel.receive() == ("hello", rank)
+                big = bytes(range(256)) * 4096 * 3  # 3 MiB: several chunks and pipe-fulls
+                for message in ("ping", big, {"n": rank}):
+                    await channel.send(message)
+                for message in ("ping", big, {"n": rank}):
+                    assert await channel.receive() == (rank, message)
+        # The block closed the channels: each rank's loop ended and it returned.
+    assert ctx.results == ["closed", "closed"]
+
+
+async def test_rank_dying_with_a_receive_pending(cluster: LocalCluster) -> None:
+    ctx = await aiospawn.start_processes(
+        ray_ranks.echo, nprocs=1, join=False, backend=backend_for(cluster)
+    )
+    try:
+        with tripwire(60, "a receive pending on a Ray rank that dies"):
+            await ctx.wait_ready()
+            channel = ctx.channel(0)
+            assert await channel.receive() == ("hello", 0)
+
+            async def kill_soon() -> None:
+                await anyio.wait_all_tasks_blocked()
+                await channel.send("die")
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(kill_soon)
+                with pytest.raises(ProcessExitedException) as caught:
+                    await channel.receive()
+            assert caught.value.exit_code == -signal.SIGKILL
+            with pytest.raises(ProcessExitedException):
+                await channel.send("too late")
+    finally:
+        await ctx.terminate()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("rank_loop", ["asyncio", "trio"])
+async def test_sigterm_cancels_an_async_rank_after_a_round_trip(
+    cluster: LocalCluster, rank_loop: str
+) -> None:
+    ctx = await aiospawn.start_processes(
+        ray_ranks.async_echo,
+        nprocs=1,
+        join=False,
+        backend=backend_for(cluster),
+        rank_loop=rank_loop,
+    )
+    try:
+        with tripwire(60, "an async Ray rank's round trip and SIGTERM"):
+            assert await ctx.wait_ready() == [0]
+            channel = ctx.channel(0)
+            await channel.send("ping")
+            assert await channel.receive() == (0, "ping")
+            await ctx.terminate(grace_period=20)
+            # Its cleanup ran: its last message came before its end.
+            assert await channel.receive() == "cleaned up"
+            with pytest.raises(aiospawn.ProcessException) as caught:
+                await channel.receive()
+    finally:
+        await ctx.terminate()
+    assert caught.value.exit_code == -signal.SIGTERM
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_back_pressure_and_aclose(cluster: LocalCluster) -> None:
+    ctx = await aiospawn.start_processes(
+        ray_ranks.unread_or_closed, nprocs=2, join=False, backend=backend_for(cluster)
+    )
+    try:
+        with tripwire(60, "back-pressure and aclose on Ray ranks"):
+            await ctx.wait_ready()
+            sent = 0
+            # Rank 0 reads nothing: the socket pair, the board's pipe and one
+            # chunk in flight fill up, and send() waits (bounded buffering).
+            with anyio.move_on_after(3):
+                while True:
+                    await ctx.channel(0).send(bytes(256 * 1024))
+                    sent += 1
+            assert 0 < sent < 64, f"{sent} messages of 256 KiB went to a rank that reads nothing"
+            await ctx.channel(1).aclose()
+            with pytest.raises(ProcessRaisedException, match="EOFError, then BrokenPipeError"):
+                await ctx.join()
+    finally:
+        await ctx.terminate()
+
+
+async def test_collective_calls(cluster: LocalCluster) -> None:
+    backend = backend_for(cluster, placement="SPREAD")
+    with tripwire(60, "collective calls on Ray ranks"):
+        async with aiospawn.open_group(
+            ray_ranks.serve_shard, nprocs=2, backend=backend, wait_ready=True
+        ) as ctx:
+            assert await ctx.call("scale", 3) == [(0, 0), (1, 3)]
+            assert await ctx.call("scale", x=2, ranks=[1]) == [(1, 2)]
+            with pytest.raises(ValueError, match="shard 1 cannot") as caught:
+                await ctx.call("fail_on", 1)
+            assert any("rank 1" in note for note in caught.value.__notes__)
+            with pytest.raises(TimeoutError, match=r"rank\(s\) 0 did not answer"):
+                await ctx.call("stall", 0, 2.0, timeout=0.5)
+            # The late answer is dropped, never taken for the next call's.
+            assert await ctx.call("scale", 5) == [(0, 0), (1, 5)]
+    assert ctx.results == [0, 0]
+    with (
+        tripwire(60, "a collective call on a dying Ray rank"),
+        pytest.raises(ProcessExitedException) as died,
+    ):
+        async with aiospawn.open_group(
+            ray_ranks.serve_shard, nprocs=2, backend=backend, wait_ready=True
+        ) as ctx:
+            await ctx.call("die", 1)
+    assert died.value.error_index == 1
+    assert died.value.exit_code == -signal.SIGKILL
+
+
+async def test_a_restarted_rank_gets_a_new_channel(cluster: LocalCluster) -> None:
+    policy = aiospawn.RestartPolicy(max_restarts=1, backoff=aiospawn.Backoff(initial=0))
+    with tripwire(60, "a restarted Ray rank's channel"):
+        async with aiospawn.open_group(
+            ray_ranks.restarted_inbox, nprocs=1, backend=backend_for(cluster), restart=policy
+        ) as ctx:
+            assert await ctx.wait_ready() == [0]
+            old = ctx.channel(0)
+            await old.send("for attempt 0")
+            with contextlib.suppress(aiospawn.ProcessException):
+                await old.send("also for attempt 0")
+            with pytest.raises(ProcessRaisedException, match="first message"):
+                await old.receive()
+            assert await ctx.wait_ready() == [1]
+            fresh = ctx.channel(0)
+            assert fresh is not old
+            await fresh.send("for attempt 1")
+    assert ctx.results == [["for attempt 1"]]

@@ -664,13 +664,24 @@ class Group(Generic[T]):
             return
         if first not in pending or self._finished():
             return  # dropped (terminate(), a failure the policy gave up on) meanwhile
-        pending.remove(first)
+
+        async def start_again() -> list[RankHandle] | None:
+            # Removed only here: under asyncio, run_to_completion starts this in
+            # a task of its own, and until then the group must not read as over
+            # (wait_ready() would return with the old attempt's slot empty).
+            if first not in pending:
+                return None  # dropped meanwhile (terminate())
+            pending.remove(first)
+            return await self._start_again(first.slots)
+
         # Started to the end, whoever is cancelled meanwhile: a slot left with
         # an attempt that never started would read as finished.
         try:
-            fresh = await run_to_completion(lambda: self._start_again(first.slots))
+            fresh = await run_to_completion(start_again)
         except Exception as exc:
             self._failed_restart(first.failure, exc)
+            return
+        if fresh is None:
             return
         self._tracker.restarts += 1
         self._watch(watchers, fresh)

@@ -20,6 +20,12 @@ or look them up; every call carries the group's random token; and only the
 signals the supervisor sends (:data:`BOARD_SIGNALS`) are accepted, by the
 board and again by the rank.
 
+The board also holds the frames of each rank's channel (``aiospawn.channel()``,
+``ctx.channel(rank)``), in a bounded pipe per attempt and direction: the rank
+actor cannot take calls of its own while ``fn`` runs, and ``_relay`` has the
+picture. An ``async def fn`` runs on its own event loop as in a local rank
+(``aiospawn._rank.bootstrap``), and SIGTERM cancels it the same way.
+
 The outcome of ``fn`` is the same ``(kind, payload)`` frame a local rank
 sends (see ``aiospawn._rank.wire``), so the supervisor builds the same exceptions from it.
 
@@ -29,18 +35,26 @@ Nothing here is imported by ``import aiospawn``; Ray is imported by the caller.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hmac
 import os
 import pickle
 import signal
 import threading
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from typing import Any
 
 from aiospawn._core._env import free_port
-from aiospawn._rank.wire import Kind, Outcome, encode_exception
-from aiospawn._rank.wire import call as call_rank
+from aiospawn._rank.bootstrap import _die_of_sigterm, _run_async, _Terminated
+from aiospawn._rank.wire import (
+    Kind,
+    Outcome,
+    encode_exception,
+    encode_exit,
+    encode_value,
+    from_fn,
+)
 
 
 class RankActor:
@@ -79,6 +93,7 @@ class RankActor:
         restart: int,
         board: Any,
         token: str,
+        loop: str = "asyncio",
     ) -> Outcome:
         """Run the rank's ``fn`` on this (main) thread and return its outcome.
 
@@ -92,20 +107,31 @@ class RankActor:
             restart: The attempt's restart count.
             board: The group's :class:`SignalBoard`.
             token: The group's token, which the board asks of every call.
+            loop: The event loop an ``async def fn`` runs on.
         """
         from aiospawn._rank import api
+        from aiospawn._rank.channel import finish as finish_channel
+        from aiospawn._rank.channel import open_channel
 
+        from ._relay import RankRelay
+
+        key = f"{rank}.{restart}"
         os.environ.update(env)
         api._restart = restart  # what aiospawn.restart_count() answers in the rank
+        # The rank's channel: the same rank-side end as a local rank's, relayed.
+        relay = RankRelay(board, token, key)
+        api._channel, api._ready, api._loop = None, False, None
+        api._frames = open_channel(relay.rank_fd)
         # Python's default action, as in a local rank: SIGTERM ends the process
         # unless fn installs a handler of its own.
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         threading.Thread(
             target=self._take_signals,
-            args=(board, token, f"{rank}.{restart}"),
+            args=(board, token, key),
             name="aiospawn-signals",
             daemon=True,
         ).start()
+        terminated = False
         try:
             try:
                 fn, args = pickle.loads(work)
@@ -113,9 +139,21 @@ class RankActor:
                 error = RuntimeError(f"rank {rank} could not unpickle fn and args: {exc!r}")
                 error.__cause__ = exc
                 return Kind.RAISED, encode_exception(error), 1
-            return call_rank(fn, rank, args)
+            try:
+                return _call(fn, rank, args, loop)
+            except _Terminated:
+                terminated = True
+                raise
         finally:
+            # What the rank sent and a cancellation left queued goes out first,
+            # then through the board, before the supervisor learns of the end.
+            finish_channel(api._frames, CHANNEL_PATIENCE)
+            relay.finish(CHANNEL_PATIENCE)
             self._done.set()
+            if terminated:
+                # SIGTERM cancelled an async fn, which ran its cleanup: the
+                # process now dies of SIGTERM, as a local rank does.
+                _die_of_sigterm()
 
     def _take_signals(self, board: Any, token: str, key: str) -> None:
         import ray
@@ -132,6 +170,29 @@ class RankActor:
                     os.kill(os.getpid(), signum)
 
 
+#: Seconds a rank's end waits for what it sent to reach the board.
+CHANNEL_PATIENCE = 5.0
+
+
+def _call(fn: Any, rank: int, args: tuple[Any, ...], loop: str) -> Outcome:
+    """:func:`~aiospawn._rank.wire.call`, running an ``async def fn`` on its own loop.
+
+    Raises:
+        _Terminated: SIGTERM cancelled the ``async def fn`` (its cleanup has run).
+    """
+    try:
+        value = fn(rank, *args)
+        if isinstance(value, Coroutine):
+            value = _run_async(value, loop)
+    except _Terminated:
+        raise
+    except SystemExit as exc:
+        return encode_exit(exc)
+    except BaseException as exc:
+        return Kind.RAISED, encode_exception(from_fn(exc)), 1
+    return encode_value(value)
+
+
 #: The signals the board carries: the supervisor's SIGTERM (SIGKILL is ray.kill).
 BOARD_SIGNALS = frozenset({signal.SIGTERM})
 
@@ -139,9 +200,59 @@ BOARD_SIGNALS = frozenset({signal.SIGTERM})
 #: Seconds a rank's signal thread waits on the board in one call.
 SIGNAL_WAIT = 10.0
 
+#: Bytes of channel frames the board holds per attempt and direction; a
+#: ``put`` waits while this much is held (so one chunk more at most).
+PIPE_BYTES = 1024 * 1024
+
+
+class _Pipe:
+    """One direction of one attempt's channel, held by the board: chunks of the frame stream."""
+
+    def __init__(self) -> None:
+        self.chunks: collections.deque[bytes] = collections.deque()
+        self.size = 0
+        self.ended = False  # the writer said nothing more comes
+        self.closed = False  # the channel was released: nothing is kept any more
+        self.changed = asyncio.Condition()
+
+    async def put(self, chunk: bytes) -> bool:
+        async with self.changed:
+            await self.changed.wait_for(lambda: self.size < PIPE_BYTES or self.closed)
+            if self.closed or self.ended:
+                return False
+            self.chunks.append(chunk)
+            self.size += len(chunk)
+            self.changed.notify_all()
+            return True
+
+    async def take(self, wait: float) -> tuple[list[bytes], bool]:
+        async with self.changed:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait):
+                    await self.changed.wait_for(
+                        lambda: bool(self.chunks) or self.ended or self.closed
+                    )
+            chunks = list(self.chunks)
+            self.chunks.clear()
+            self.size = 0
+            self.changed.notify_all()
+            return chunks, self.ended or self.closed
+
+    async def end(self, close: bool) -> None:
+        async with self.changed:
+            self.ended = True
+            if close:
+                self.closed = True
+                self.chunks.clear()
+                self.size = 0
+            self.changed.notify_all()
+
 
 class SignalBoard:
     """Holds the signals sent to a group's ranks until each rank's thread takes them.
+
+    And the frames of the ranks' channels, in both directions (:meth:`put`,
+    :meth:`take`, :meth:`end`, :meth:`release`).
 
     Args:
         token: The group's secret; a call with another one is refused.
@@ -151,6 +262,9 @@ class SignalBoard:
         self._token = token
         self._queues: dict[str, asyncio.Queue[int]] = {}
         self._waiting: dict[str, int] = {}
+        #: The channels of the attempts, by key, then direction ("up" is rank to supervisor).
+        self._pipes: dict[str, dict[str, _Pipe]] = {}
+        self._released: set[str] = set()  # keys whose channel is gone: never made again
 
     async def next_signal(self, token: str, key: str) -> int:
         """The next signal sent to the attempt ``key`` (``"rank.restart"``), or 0.
@@ -200,6 +314,53 @@ class SignalBoard:
                 queue.get_nowait()
             self._prune(key)
 
+    async def put(self, token: str, key: str, direction: str, chunk: bytes) -> bool:
+        """Add ``chunk`` to the frame stream ``direction`` of attempt ``key``'s channel.
+
+        Waits while :data:`PIPE_BYTES` are held (back-pressure). False, and
+        nothing kept, once the channel is released or that direction ended.
+
+        Raises:
+            PermissionError: ``token`` is not the group's.
+        """
+        self._check(token)
+        pipe = self._pipe(key, direction)
+        return False if pipe is None else await pipe.put(chunk)
+
+    async def take(
+        self, token: str, key: str, direction: str, wait: float
+    ) -> tuple[list[bytes], bool]:
+        """What is held in ``direction`` (waiting up to ``wait`` s for some), and whether it ended.
+
+        Raises:
+            PermissionError: ``token`` is not the group's.
+        """
+        self._check(token)
+        pipe = self._pipe(key, direction)
+        return ([], True) if pipe is None else await pipe.take(wait)
+
+    async def end(self, token: str, key: str, direction: str) -> None:
+        """Nothing more comes in ``direction``: its reader gets what is held, then the end.
+
+        Raises:
+            PermissionError: ``token`` is not the group's.
+        """
+        self._check(token)
+        pipe = self._pipe(key, direction)
+        if pipe is not None:
+            await pipe.end(close=False)
+
+    async def release(self, token: str, key: str) -> None:
+        """Drop attempt ``key``'s channel; waiting calls on it return at once.
+
+        Raises:
+            PermissionError: ``token`` is not the group's.
+        """
+        self._check(token)
+        self._released.add(key)
+        for pipe in self._pipes.pop(key, {}).values():
+            await pipe.end(close=True)
+
     async def keys(self, token: str) -> list[str]:
         """The attempts something is held or awaited for.
 
@@ -207,11 +368,17 @@ class SignalBoard:
             PermissionError: ``token`` is not the group's.
         """
         self._check(token)
-        return sorted(self._queues)
+        return sorted({*self._queues, *self._pipes})
 
     def _check(self, token: str) -> None:
         if not (isinstance(token, str) and hmac.compare_digest(token, self._token)):
             raise PermissionError("this call does not carry the group's token")
+
+    def _pipe(self, key: str, direction: str) -> _Pipe | None:
+        if key in self._released or direction not in ("up", "down"):
+            return None
+        pipes = self._pipes.setdefault(key, {})
+        return pipes.setdefault(direction, _Pipe())
 
     def _prune(self, key: str) -> None:
         # A queue nobody waits on and that holds nothing is recreated on demand.

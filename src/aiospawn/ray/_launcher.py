@@ -46,6 +46,7 @@ from aiospawn._core._env import rank_environment, torchrun_environment
 from aiospawn._core._spec import LaunchSpec
 
 from ._bridge import get
+from ._link import RayLink
 from ._rank import RayRank
 
 #: A resource only Ray's head node has.
@@ -201,9 +202,11 @@ class RayLauncher:
             board = _actor_class("SignalBoard").options(
                 num_cpus=0,
                 resources={HEAD_NODE_RESOURCE: 0.001},
-                # One waiting call per running rank, and one per stop request:
+                # Waiting calls per running rank, and one per stop request:
                 # past Ray's default of 1000, a stop would queue behind them.
-                max_concurrency=max(1000, 4 * nprocs),
+                # Per running rank: its signal wait, and the four ends of its
+                # channel (each of which may wait on a full or empty pipe).
+                max_concurrency=max(1000, 8 * nprocs),
             )
             self._board = board.remote(self._token)
 
@@ -238,7 +241,10 @@ class RayLauncher:
 
     def make_rank(self, index: int, restart: int, on_exit: OnExit) -> RayRank:
         """Create, without starting, attempt number ``restart`` of rank ``index``."""
-        return RayRank(index, restart, on_exit, ray=self.ray, post=self.send, forget=self._forget)
+        link = RayLink(self._board, self._token, f"{index}.{restart}")
+        return RayRank(
+            index, restart, on_exit, ray=self.ray, post=self.send, forget=self._forget, link=link
+        )
 
     async def start(self, ranks: Sequence[RayRank]) -> None:
         """Start ``ranks`` together; return once each has been handed ``fn``.
@@ -277,7 +283,7 @@ class RayLauncher:
                 work = await anyio.to_thread.run_sync(self._put_work)
                 for rank in ranks:
                     env = self._environment(rank.rank, rank.restart)
-                    rank.begin(work, env, self._board, self._token)
+                    rank.begin(work, env, self._board, self._token, self._spec.rank_loop)
         finally:
             unstarted = [rank.actor for rank in ranks if not rank.started]
             if unstarted:

@@ -28,6 +28,10 @@ from aiospawn._core._outcome import RankExit
 from aiospawn._rank.wire import Kind, encode_exception
 
 from ._bridge import done_event
+from ._link import RayLink
+
+#: Seconds an ended rank's exit waits for its channel's last frames from the board.
+DRAIN_PATIENCE = 10.0
 
 
 class RayRank:
@@ -41,6 +45,7 @@ class RayRank:
         post: Posts a signal for the rank's process on the group's board,
             ``post(key, signum)``.
         forget: Tells the board the attempt is over, ``forget(key)``.
+        link: The attempt's channel, over the group's board (``_link``).
     """
 
     def __init__(
@@ -52,12 +57,13 @@ class RayRank:
         ray: Any,
         post: Callable[[str, int], None],
         forget: Callable[[str], None],
+        link: RayLink,
     ) -> None:
         self._ray = ray
         self._post = post
         self._forget = forget
         self.rank = index
-        self.link = None  # no channel yet on Ray
+        self.link = link
         self.restart = restart
         self._on_exit = on_exit
         self._key = f"{index}.{restart}"
@@ -101,16 +107,27 @@ class RayRank:
         node_id, address, pid = description
         self._node, self._pid = (node_id, address), pid
 
-    def begin(self, work: Any, env: dict[str, str], board: Any, token: str) -> None:
+    def begin(self, work: Any, env: dict[str, str], board: Any, token: str, loop: str) -> None:
         """Submit ``run()``; its result is the rank's sentinel. On the event loop."""
-        ref = self.actor.run.remote(work, self.rank, env, self.restart, board, token)
+        ref = self.actor.run.remote(work, self.rank, env, self.restart, board, token, loop)
         self._future = ref.future()
         # One wake-up per attempt, however often the rank is waited for.
         self._done = done_event(self._future)
+        self.link.attach(self._future)
 
     def poll(self) -> RankExit | None:
-        """Return the exit if ``run()`` has finished, without waiting."""
-        if self._exit is None and self._future is not None and self._future.done():
+        """Return the exit if ``run()`` has finished, without waiting.
+
+        The exit is known once the channel holds everything the rank sent
+        (:attr:`RayLink.drained`, shortly after ``run()``): as for a local
+        rank, what it sent before it exited can still be received.
+        """
+        if (
+            self._exit is None
+            and self._future is not None
+            and self._future.done()
+            and self.link.drained.is_set()
+        ):
             self._finish(self._future)
         return self._exit
 
@@ -118,10 +135,16 @@ class RayRank:
         """Wait for the exit. Several tasks may call this at once; one watches."""
         if self._future is None:
             raise RuntimeError(f"rank {self.rank} has not been started")
-        await self._watcher.run(lambda: self.poll() is not None, self._done.wait)
+        await self._watcher.run(lambda: self.poll() is not None, self._wait_done)
         await checkpoint()
         assert self._exit is not None
         return self._exit
+
+    async def _wait_done(self) -> None:
+        await self._done.wait()
+        with anyio.move_on_after(DRAIN_PATIENCE):
+            await self.link.drained.wait()
+        self.link.stop_draining()  # a no-op once drained
 
     def discard(self) -> None:
         """Nothing to release before the actor exists."""

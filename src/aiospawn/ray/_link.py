@@ -1,0 +1,241 @@
+"""The supervisor's end of a Ray rank's channel (see ``_core._backend.Link``), over the board.
+
+The frames of a Ray rank's channel pass through the group's board (see
+``_relay`` for the picture). Here, on the event loop: :meth:`RayLink.write_some`
+submits one ``board.put("down")`` at a time and counts its bytes as written
+only once the board took them, so a full channel holds the supervisor's
+``send()`` as a full socket would; :meth:`RayLink.receive_frame` keeps one
+``board.take("up")`` in flight (a long poll) and parses what it returns.
+Calls are only submitted on the loop (each carries at most ``_relay.CHUNK``
+bytes); their results are waited on through their futures (``_bridge``).
+
+When the rank's ``run()`` has finished, the link asks the board to end the
+upward stream (what the rank relayed is still delivered, then the end: a
+rank killed with a receive pending ends it promptly) and pulls it to its end
+on its own, so that what the rank sent before it exited stays receivable:
+the rank's exit waits for :attr:`RayLink.drained`.
+"""
+
+from __future__ import annotations
+
+import collections
+from concurrent.futures import Future
+from typing import Any
+
+import anyio
+from anyio.lowlevel import checkpoint
+
+from aiospawn._rank.wire import HEADER, FrameReader
+
+from ._bridge import threadsafe
+from ._relay import CHUNK, TAKE_WAIT
+
+
+class RayLink:
+    """One Ray rank attempt's frames (``_core._backend.Link``), carried by the group's board.
+
+    Made with the attempt, on the event loop; live once :meth:`attach` is given
+    the rank's ``run()`` future.
+    """
+
+    def __init__(self, board: Any, token: str, key: str) -> None:
+        self._board, self._token, self._key = board, token, key
+        self._poke_soon = threadsafe(self._poke)
+        self._changed = anyio.Event()
+        self._run: Future[Any] | None = None
+        self._closed = False
+        # Incoming: chunks pulled and not yet parsed, the frame being parsed.
+        self._pulled: collections.deque[memoryview] = collections.deque()
+        self._reader = FrameReader()
+        self._pull: Future[Any] | None = None
+        self._ended = False  # the board said the upward stream is over
+        self._end_asked = False
+        self.drained = anyio.Event()  #: set once nothing more can come from the rank
+        # Outgoing: chunks not yet submitted, the put in flight and its size.
+        self._out: collections.deque[bytes | memoryview] = collections.deque()
+        self._queued = 0
+        self._push: Future[Any] | None = None
+        self._push_size = 0
+
+    def attach(self, run: Future[Any]) -> None:
+        """The rank's ``run()`` was submitted: its end ends the channel. On the loop."""
+        self._run = run
+        run.add_done_callback(lambda _: self._poke_soon())
+        self._poke()
+
+    # ------------------------------------------------------------- incoming
+
+    async def receive_frame(self) -> tuple[int, bytes | bytearray] | None:
+        """The next frame, or None at the end of the stream; cancellation-safe."""
+        while True:
+            changed = self._changed
+            frame = self.frame_now()
+            if frame is not False:
+                assert frame is not True
+                return frame
+            self._pull_more()
+            await changed.wait()
+
+    def frame_now(self) -> tuple[int, bytes | bytearray] | bool | None:
+        """The next frame if it can be read without waiting; None at the end, else False."""
+        while True:
+            if self._closed:
+                return None
+            frame = self._parse()
+            if frame is not None:
+                return frame
+            if self._pull is not None and self._pull.done():
+                self._take_pull()
+                continue
+            if self._ended:
+                return None
+            return False
+
+    def _parse(self) -> tuple[int, bytes | bytearray] | None:
+        reader = self._reader
+        while self._pulled:
+            head = self._pulled[0]
+            taken = min(reader.wanted, len(head))
+            reader.feed(head[:taken])  # type: ignore[arg-type]  # feed takes any buffer
+            if taken == len(head):
+                self._pulled.popleft()
+            else:
+                self._pulled[0] = head[taken:]
+            frame = reader.frame()
+            if frame is not None:
+                self._reader = FrameReader()
+                return frame
+        return None
+
+    def _pull_more(self) -> None:
+        if self._pull is None and not (self._ended or self._closed) and self._run is not None:
+            wait = 0.0 if self._run.done() else TAKE_WAIT
+            self._pull = self._submit("take", "up", wait)
+
+    def _take_pull(self) -> None:
+        pull, self._pull = self._pull, None
+        assert pull is not None
+        try:
+            chunks, ended = pull.result()
+        except Exception:  # the board is gone: the group is being torn down
+            chunks, ended = [], True
+        self._pulled.extend(memoryview(chunk) for chunk in chunks)
+        if ended:
+            self._ended = True
+
+    # ------------------------------------------------------------- outgoing
+
+    def queue_frame(self, kind: int, payload: bytes) -> None:
+        """Add a frame, whole, to the outgoing queue (in chunks of at most ``CHUNK`` bytes)."""
+        view = memoryview(payload)
+        first = CHUNK - HEADER.size
+        self._out.append(HEADER.pack(kind, len(payload)) + bytes(view[:first]))
+        for start in range(first, len(view), CHUNK):
+            self._out.append(view[start : start + CHUNK])
+        self._queued += HEADER.size + len(payload)
+
+    @property
+    def queued(self) -> int:
+        """Bytes queued and not yet taken by the board."""
+        return self._queued
+
+    def write_some(self) -> bool:
+        """Submit the next chunk if none is in flight; True once the board took everything.
+
+        Raises:
+            BrokenPipeError: The channel was released, or the rank has ended
+                with frames still to go.
+        """
+        if self._closed:
+            raise BrokenPipeError("the channel was released")
+        push = self._push
+        if push is not None:
+            if not push.done():
+                if self._over():
+                    # Nobody takes it: the chunk waits in the board until the
+                    # channel is released. The rank's end is closed.
+                    raise BrokenPipeError(f"rank attempt {self._key} has ended")
+                return False
+            self._push = None
+            try:
+                taken = push.result()
+            except Exception:  # the board is gone
+                taken = False
+            if not taken:
+                raise BrokenPipeError(f"the channel of rank attempt {self._key} was released")
+            self._queued -= self._push_size
+        if not self._out:
+            return True
+        if self._run is not None and self._run.done():
+            raise BrokenPipeError(f"rank attempt {self._key} has ended")
+        chunk = self._out.popleft()
+        self._push_size = len(chunk)
+        self._push = self._submit("put", "down", bytes(chunk))
+        if self._push is None:
+            raise BrokenPipeError("Ray is shut down")
+        return False
+
+    async def wait_writable(self) -> None:
+        """Wait until the chunk in flight is taken (or the rank has ended)."""
+        changed = self._changed
+        push = self._push
+        if push is None or push.done() or self._closed or self._over():
+            await checkpoint()
+            return
+        await changed.wait()
+
+    def _over(self) -> bool:
+        # The rank's run() has finished and the board has answered since: a
+        # put still unanswered was not taken before the rank ended.
+        return self._run is not None and self._run.done() and self.drained.is_set()
+
+    # ------------------------------------------------------------- both
+
+    def stop_draining(self) -> None:
+        """Give up on what the board still holds from the ended rank (Ray does not answer)."""
+        if self.drained.is_set():
+            return
+        self._ended = True
+        self.drained.set()
+        self._poke()
+
+    def close(self) -> None:
+        """Release the channel here and on the board, waking a task that waits on it."""
+        if self._closed:
+            return
+        self._closed = True
+        self._out.clear()
+        self._pulled.clear()
+        self._queued = 0
+        if self._run is not None:
+            self._submit("release")
+        self._poke()
+
+    def _submit(self, method: str, *args: Any) -> Future[Any] | None:
+        """Submit a board call (does not wait); its end wakes the link."""
+        try:
+            ref = getattr(self._board, method).remote(self._token, self._key, *args)
+        except Exception:  # Ray is shut down: nothing will answer
+            self._ended = True
+            return None
+        future: Future[Any] = ref.future()
+        future.add_done_callback(lambda _: self._poke_soon())
+        return future
+
+    def _poke(self) -> None:
+        """Something changed (a call ended, the rank ended): wake the waiters. On the loop."""
+        changed, self._changed = self._changed, anyio.Event()
+        changed.set()
+        run = self._run
+        if run is None or not run.done() or self.drained.is_set():
+            return
+        # The rank has ended: pull what it relayed to the end, on our own.
+        if not self._end_asked and not self._closed:
+            self._end_asked = True
+            self._submit("end", "up")
+        if self._pull is not None and self._pull.done():
+            self._take_pull()
+        if self._ended or self._closed:
+            self.drained.set()
+        else:
+            self._pull_more()
