@@ -48,7 +48,7 @@ class Shard:
 
 async def shard(rank: int) -> None:
     model = Shard(rank)
-    aiospawn.ready({"rank": rank})
+    aiospawn.ready()
     await aiospawn.serve(model)  # until the service closes the group
 
 
