@@ -61,11 +61,19 @@ def fmt(value: float) -> str:
     return f"{value:,.{decimals}f}"
 
 
+def higher_is_better(unit: str) -> bool:
+    """Rates (``MB/s``) are better higher; every other figure is better lower."""
+    return unit.endswith("/s")
+
+
 def _best_medians(series: Iterable[Series]) -> dict[tuple[str, str], float]:
     best: dict[tuple[str, str], float] = {}
     for item in series:
         key = (item.case, item.metric)
-        best[key] = min(best.get(key, math.inf), item.median)
+        if higher_is_better(item.unit):
+            best[key] = max(best.get(key, 0.0), item.median)
+        else:
+            best[key] = min(best.get(key, math.inf), item.median)
     return best
 
 
@@ -85,7 +93,10 @@ def scenario_table(result: ScenarioResult) -> str:
     )
     for item in rows:
         reference = best[(item.case, item.metric)]
-        ratio = f"{item.median / reference:.2f}x" if reference > 0 else "-"
+        if higher_is_better(item.unit):
+            ratio = f"{reference / item.median:.2f}x" if item.median > 0 else "-"
+        else:
+            ratio = f"{item.median / reference:.2f}x" if reference > 0 else "-"
         lines.append(
             f"| {item.case} | {item.metric} | {item.peer} | {fmt(item.median)} | {fmt(item.p95)}"
             f" | {ratio} | {len(item.samples)} |"
@@ -292,6 +303,67 @@ def checks(results: dict[str, ScenarioResult]) -> list[Check]:
         found.append(
             _bound_check("warm restart of a torch rank < 100 ms", "restart", restart, 100.0, "ms")
         )
+    found += _live_checks(results)
+    return found
+
+
+def _live_checks(results: dict[str, ScenarioResult]) -> list[Check]:
+    """The live-ranks targets (issue 14); case names carry the trial sizes, so match a prefix."""
+    if "live" not in results:
+        return []
+
+    def case(prefix: str) -> str:
+        for item in results["live"].series:
+            if item.case.startswith(prefix):
+                return item.case
+        return prefix
+
+    def median(row: str, metric: str, peer: str) -> float | None:
+        return _median(results, "live", row, metric, peer)
+
+    floor = "raw Pipe, loop in a thread"
+    small, stream, call = case("round trip, 64 B"), case("throughput"), case("collective call")
+    found = [
+        _ratio_check(
+            "64 B round trip p50 within 1.5x of the raw pipe",
+            small,
+            median(small, "p50 [µs]", "aiospawn"),
+            median(small, "p50 [µs]", floor),
+            lambda a, b: a <= 1.5 * b,
+            floor,
+        )
+    ]
+    for metric in ("to rank [MB/s]", "from rank [MB/s]"):
+        found.append(
+            _ratio_check(
+                "1 MB throughput >= 0.7x the raw pipe",
+                f"{stream}, {metric}",
+                median(stream, metric, "aiospawn"),
+                median(stream, metric, floor),
+                lambda a, b: a >= 0.7 * b,
+                floor,
+            )
+        )
+    found.append(
+        _ratio_check(
+            "8-rank call p50 within 2x one round trip (64 B channel p50)",
+            call,
+            median(call, "p50 [µs]", "aiospawn"),
+            median(small, "p50 [µs]", "aiospawn"),
+            lambda a, b: a <= 2 * b,
+            "aiospawn 64 B round trip",
+        )
+    )
+    lag = case("1 GB streaming")
+    found.append(
+        _bound_check(
+            "event-loop max lag < 20 ms while 1 GB streams",
+            lag,
+            median(lag, "max lag [ms]", "aiospawn"),
+            20.0,
+            "ms",
+        )
+    )
     return found
 
 
@@ -320,7 +392,8 @@ def markdown(
         "",
         "Figures are medians and 95th percentiles over the trials (n); 'ratio to best' divides"
         " a peer's median by the best median of the same case and metric. Peers run in"
-        " alternation within each case. Lower is better everywhere.",
+        " alternation within each case. Lower is better everywhere but for rates (MB/s), where"
+        " 'ratio to best' divides the best median by the peer's.",
         "",
     ]
     if chart:

@@ -33,6 +33,7 @@ SCENARIOS = {
     "supervision": ("bench_supervision", "supervision", "Heartbeats, hang detection, restarts"),
     "cli": ("bench_cli", "cli", "The `aiospawn run` launcher"),
     "warm": ("bench_warm", "warm", "Warm starts: torch ranks forked from a preloaded template"),
+    "live": ("bench_live", "live", "Live ranks: channels and collective calls"),
     "ray": ("bench_ray", "ray_backend", "Ray backend against local ranks"),
 }
 

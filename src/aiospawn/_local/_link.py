@@ -22,6 +22,8 @@ from . import _pipes
 _READ_CHUNK = 256 * 1024
 #: At most this much is read per wake-up, so that the loop runs other tasks between.
 _READ_BUDGET = 1024 * 1024
+#: A payload up to this size is copied behind its header and written with it.
+_JOIN_BYTES = 64 * 1024
 
 
 def rank_socket() -> tuple[int, ChildEnd]:
@@ -86,8 +88,13 @@ class SocketLink:
 
     def queue_frame(self, kind: int, payload: bytes) -> None:
         """Add a frame, whole, to the outgoing queue."""
-        self._out.append(memoryview(HEADER.pack(kind, len(payload))))
-        if payload:
+        header = HEADER.pack(kind, len(payload))
+        if len(payload) <= _JOIN_BYTES:
+            # One write, not two: a header written alone wakes the rank, which then
+            # waits again for the payload (a wake-up per message for nothing).
+            self._out.append(memoryview(header + payload))
+        else:
+            self._out.append(memoryview(header))
             self._out.append(memoryview(payload))
         self._queued += HEADER.size + len(payload)
 

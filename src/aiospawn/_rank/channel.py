@@ -42,6 +42,8 @@ from typing import Any
 from .wire import CALL_ID, HEADER, FrameReader, Link, encode_exception, from_fn
 
 _READ_CHUNK = 256 * 1024
+#: A payload up to this size is copied behind its header and written with it.
+_JOIN_BYTES = 64 * 1024
 
 
 class _Frames:
@@ -61,8 +63,13 @@ class _Frames:
 
     def queue(self, kind: int, payload: bytes) -> None:
         self._check_open()
-        self._out.append(memoryview(HEADER.pack(kind, len(payload))))
-        if payload:
+        header = HEADER.pack(kind, len(payload))
+        if len(payload) <= _JOIN_BYTES:
+            # One write, not two: a header written alone wakes the supervisor,
+            # which then waits again for the payload.
+            self._out.append(memoryview(header + payload))
+        else:
+            self._out.append(memoryview(header))
             self._out.append(memoryview(payload))
 
     @property
