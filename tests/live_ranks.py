@@ -359,3 +359,17 @@ async def send_sized_async(rank: int, count: int) -> None:
     channel = aiospawn.channel()
     for seq in range(count):
         await channel.send((seq, sized(seq)))
+
+
+async def serve_while_sending_async(rank: int, count: int) -> None:
+    """Serve calls in one task while another streams ``count`` large messages."""
+    channel = aiospawn.channel()
+
+    async def stream() -> None:
+        for seq in range(count):
+            await channel.send((seq, b"m" * 200_000))
+        await channel.send(("done", b""))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(stream)
+        await aiospawn.serve(AsyncHandler(rank))

@@ -604,6 +604,39 @@ async def test_a_storm_of_cancellations_in_an_async_rank_loses_nothing(
 # ----------------------------------------------------------- collective calls
 
 
+@pytest.mark.parametrize("rank_loop", ["asyncio", "trio"])
+async def test_an_async_rank_serves_calls_while_another_task_sends(
+    anyio_backend: str, rank_loop: str
+) -> None:
+    # The rank's sender and its serve() replies both wait for a full socket.
+    async with group(
+        live_ranks.serve_while_sending_async,
+        200,
+        nprocs=1,
+        rank_loop=rank_loop,
+        seconds=30,
+        what="calls while the rank streams messages",
+    ) as ctx:
+        channel = ctx.channel(0)
+        received = []
+
+        async def calls() -> None:
+            for seq in range(30):
+                assert await ctx.call("add", seq) == [(0, seq)]
+
+        async def receive_all() -> None:
+            while (message := await channel.receive())[0] != "done":
+                received.append(message[0])
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(calls)
+            # The supervisor's inbox fills and it stops reading: the rank's
+            # socket fills, with a reply queued behind its messages.
+            await anyio.wait_all_tasks_blocked()
+            tg.start_soon(receive_all)
+    assert received == list(range(200))
+
+
 @pytest.mark.parametrize("kind", ["sync", "asyncio", "trio"])
 async def test_call_returns_the_results_in_rank_order(anyio_backend: str, kind: str) -> None:
     fn, options = kind_of(kind, "serve")
