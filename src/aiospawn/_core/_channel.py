@@ -192,7 +192,10 @@ class RankChannel(anyio.abc.ObjectStream[Any]):
         self._link.queue_frame(Kind.CLOSE, b"")
         # The rank may have ended: then there is nobody to tell.
         with contextlib.suppress(ProcessException, anyio.BrokenResourceError, anyio.EndOfStream):
-            await self._flush(0)
+            # Behind a send() that waits for the socket (two waiters on one fd
+            # are refused: BusyResourceError); that send writes the CLOSE too.
+            async with self._send_lock:
+                await self._flush(0)
 
     def close_sending(self) -> None:
         """:meth:`send_eof` without waiting: the frame goes out as the socket takes it."""
