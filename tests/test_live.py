@@ -372,6 +372,55 @@ async def test_a_send_blocks_while_the_rank_does_not_read(anyio_backend: str) ->
     assert ctx.results == [(1, list(range(count)))]
 
 
+@pytest.mark.parametrize("kind", ["sync", "asyncio"])
+async def test_send_eof_ends_the_ranks_receive_and_its_messages_still_come(
+    anyio_backend: str, kind: str
+) -> None:
+    fn, options = kind_of(kind, "echo")
+    async with group(fn, nprocs=1, what="send_eof()", **options) as ctx:
+        channel = ctx.channel(0)
+        for seq in range(3):
+            await channel.send(seq)
+        await channel.send_eof()
+        with pytest.raises(anyio.ClosedResourceError):
+            await channel.send("after send_eof")
+        # The rank's loop ends at EOF, and it returns: its echoes, then the end.
+        assert [message async for message in channel] == [(0, 0), (0, 1), (0, 2)]
+    assert ctx.results == [3]
+
+
+async def test_send_eof_while_a_send_waits_for_a_rank_that_does_not_read(
+    anyio_backend: str,
+) -> None:
+    go_reader, go_writer = multiprocessing.Pipe(duplex=False)
+    sent = 0
+    refused: list[BaseException] = []
+    with go_reader, go_writer:
+        async with group(
+            live_ranks.read_when_told, go_reader, nprocs=1, what="send_eof() behind a send()"
+        ) as ctx:
+            channel = ctx.channel(0)
+
+            async def send_all() -> None:
+                nonlocal sent
+                try:
+                    for seq in range(512):
+                        await channel.send((seq, b"x" * (64 << 10)))
+                        sent += 1
+                except anyio.ClosedResourceError as exc:
+                    refused.append(exc)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(send_all)
+                await anyio.wait_all_tasks_blocked()  # the send waits for the socket
+                tg.start_soon(channel.send_eof)
+                await anyio.wait_all_tasks_blocked()
+                go_writer.send("read now")
+    assert refused, "send() went on after send_eof()"
+    # What was sent arrived, and nothing after the end of the stream.
+    assert ctx.results == [(1, list(range(sent)))]
+
+
 @pytest.mark.parametrize("kind", ["sync", "trio"])
 async def test_a_4_mb_message_goes_both_ways(anyio_backend: str, kind: str) -> None:
     await _large_round_trip(kind, 4 << 20)
