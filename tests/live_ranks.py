@@ -220,6 +220,13 @@ def first_message_per_attempt(rank: int, die: Connection) -> None:
 # ------------------------------------------------------------------ calls
 
 
+class Unpicklable(Exception):
+    """An exception whose pickle cannot be loaded: ``__init__`` needs two arguments."""
+
+    def __init__(self, text: str, rank: int) -> None:
+        super().__init__(f"{text} on rank {rank}")
+
+
 class Handler:
     """What the collective-call ranks serve (sync methods)."""
 
@@ -242,6 +249,15 @@ class Handler:
         if self.rank == dying:
             os._exit(9)
         return self.rank
+
+    def blob(self, size: int) -> bytes:
+        return bytes([self.rank]) * size
+
+    def unpicklable(self) -> Any:
+        return lambda: None
+
+    def raise_unpicklable(self) -> None:
+        raise Unpicklable("the handler's own error", self.rank)
 
     def hold(self, holding: int) -> int:
         """On rank ``holding``, answer only once the test says so."""

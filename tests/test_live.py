@@ -421,6 +421,37 @@ async def test_send_eof_while_a_send_waits_for_a_rank_that_does_not_read(
     assert ctx.results == [(1, list(range(sent)))]
 
 
+async def test_a_send_waiting_for_a_rank_that_dies_raises_its_failure(
+    anyio_backend: str,
+) -> None:
+    go_reader, go_writer = multiprocessing.Pipe(duplex=False)
+    raised: list[BaseException] = []
+    with go_reader, go_writer:
+        ctx = await aiospawn.start_processes(
+            live_ranks.die_when_told, (0, go_reader), nprocs=1, join=False, start_method="fork"
+        )
+        with tripwire(60, "send() to a rank that died"):
+            await ctx.wait_ready()
+            channel = ctx.channel(0)
+
+            async def send_until_refused() -> None:
+                try:
+                    for seq in range(512):  # the rank reads none of them
+                        await channel.send((seq, b"x" * (64 << 10)))
+                except ProcessExitedException as exc:
+                    raised.append(exc)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(send_until_refused)
+                await anyio.wait_all_tasks_blocked()
+                go_writer.send("die")
+            with pytest.raises(ProcessExitedException):
+                await ctx.join()
+    (error,) = raised
+    assert isinstance(error, ProcessExitedException)
+    assert error.exit_code == 7
+
+
 @pytest.mark.parametrize("kind", ["sync", "trio"])
 async def test_a_4_mb_message_goes_both_ways(anyio_backend: str, kind: str) -> None:
     await _large_round_trip(kind, 4 << 20)
@@ -715,6 +746,26 @@ async def test_a_handler_error_is_raised_as_itself_and_the_group_goes_on(
             await ctx.call("_private")
         assert await ctx.call("fail", []) == [0, 1, 2]
     assert ctx.results == ["served"] * 3
+
+
+async def test_call_results_and_errors_that_do_not_pickle_plainly(anyio_backend: str) -> None:
+    async with group(live_ranks.serve, what="calls with awkward values") as ctx:
+        await ctx.wait_ready()
+        # Above the size decoded on a worker thread.
+        assert await ctx.call("blob", 1 << 20) == [b"\0" * (1 << 20), b"\1" * (1 << 20)]
+        with pytest.raises(TypeError, match="the handler's return value cannot be pickled"):
+            await ctx.call("unpicklable")
+        with pytest.raises(aiospawn.RemoteTraceback) as info:
+            await ctx.call("raise_unpicklable")
+        assert "the handler's own error on rank 0" in str(info.value)
+        with pytest.raises(AttributeError, match="no_such_method"):
+            await ctx.call("no_such_method")
+        with pytest.raises(TypeError):
+            await ctx.call("add", lambda: None)
+        with pytest.raises(ValueError, match="rank 2"):
+            await ctx.call("whoami", ranks=[2])
+        assert await ctx.call("whoami") == [0, 1]
+    assert ctx.results == ["served", "served"]
 
 
 @pytest.mark.parametrize("kind", ["sync", "asyncio"])
