@@ -210,7 +210,9 @@ class RankChannel(anyio.abc.ObjectStream[Any]):
         Idempotent. Messages not yet received are dropped.
         """
         if not self._closed:
-            self.close_sending()
+            # No CLOSE frame first: a rank could read it and send before the
+            # release below, and its send would succeed into the void. The
+            # release shuts the socket down: its receive() ends, its send() fails.
             self._closed = True
             self.release()
         await checkpoint()
