@@ -539,16 +539,26 @@ async def test_the_channel_of_a_rank_that_returned_ends_cleanly(anyio_backend: s
         await channel.send("to a rank that returned")
 
 
-async def test_after_aclose_the_channel_is_closed_both_ways(anyio_backend: str) -> None:
-    async with group(live_ranks.receive_one_after_close, nprocs=1, what="aclose()") as ctx:
-        channel = ctx.channel(0)
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver", "fork"])
+async def test_after_aclose_the_channel_is_closed_both_ways(
+    anyio_backend: str, start_method: str
+) -> None:
+    # Three ranks: no sibling (forked with every channel made) may hold rank
+    # 1's channel open, or its send would not be refused.
+    async with group(
+        live_ranks.receive_one_after_close,
+        nprocs=3,
+        start_method=start_method,
+        what="aclose()",
+    ) as ctx:
+        channel = ctx.channel(1)
         await channel.aclose()
         with pytest.raises(anyio.ClosedResourceError):
             await channel.receive()
         with pytest.raises(anyio.ClosedResourceError):
             await channel.send("after aclose")
         await channel.aclose()  # idempotent
-    assert ctx.results == ["send refused"]
+    assert ctx.results == ["sent", "send refused", "sent"]
 
 
 async def test_a_restarted_rank_gets_a_new_channel_and_none_of_the_old_messages(
