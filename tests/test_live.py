@@ -664,6 +664,40 @@ async def test_a_receive_storm_loses_and_duplicates_nothing(
 
 
 @pytest.mark.parametrize("iterations", [STORM, STORM_SLOW])
+@pytest.mark.parametrize("kind", ["sync", "asyncio"])
+async def test_a_call_storm_never_answers_a_call_with_another_calls_reply(
+    anyio_backend: str, kind: str, iterations: int
+) -> None:
+    fn, options = kind_of(kind, "serve")
+    answered = [0, 0]
+    async with group(fn, seconds=120, what="a call storm", **options) as ctx:
+        await ctx.wait_ready()
+
+        async def storm(caller: int) -> None:
+            # Two callers at once, each its own numbers: a reply to the wrong
+            # call shows as a wrong sum.
+            base = caller * 1_000_000
+            for seq, deadline in enumerate(deadlines(iterations + caller, iterations)):
+                with anyio.move_on_after(deadline):
+                    if seq % 2:
+                        answer = await ctx.call("add", base + seq, b=1)
+                    else:  # ended by the call's own timeout instead
+                        try:
+                            answer = await ctx.call("add", base + seq, b=1, timeout=deadline)
+                        except TimeoutError:
+                            continue
+                    assert answer == [(0, base + seq + 1), (1, base + seq + 1)]
+                    answered[caller] += 1
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(storm, 0)
+            tg.start_soon(storm, 1)
+        assert await ctx.call("add", -1) == [(0, -1), (1, -1)]
+    assert ctx.results == ["served", "served"]
+    assert all(answered), f"every call was cancelled, {answered}: the storm tested nothing"
+
+
+@pytest.mark.parametrize("iterations", [STORM, STORM_SLOW])
 @pytest.mark.parametrize("rank_loop", ["asyncio", "trio"])
 async def test_a_storm_of_cancellations_in_an_async_rank_loses_nothing(
     anyio_backend: str, rank_loop: str, iterations: int
