@@ -54,10 +54,10 @@ async def raise_async(rank: int, failing: int) -> None:
 
 
 async def clean_up_async(rank: int, report: Connection) -> None:
-    """Say ready, wait to be stopped; the ``finally`` reports the cleanup on ``report``."""
+    """Say ready, wait in receive() to be stopped; the ``finally`` reports the cleanup."""
     try:
         aiospawn.ready(os.getpid())
-        await anyio.sleep(3600)
+        await aiospawn.channel().receive()  # SIGTERM cancels it: nothing is sent
     finally:
         # An await in the cleanup works too (shielded: trio re-raises Cancelled
         # at any checkpoint of a cancelled scope).
