@@ -561,11 +561,12 @@ async def test_after_aclose_the_channel_is_closed_both_ways(
     assert ctx.results == ["sent", "send refused", "sent"]
 
 
+@pytest.mark.parametrize("strategy", ["one_for_one", "one_for_all"])
 async def test_a_restarted_rank_gets_a_new_channel_and_none_of_the_old_messages(
-    anyio_backend: str,
+    anyio_backend: str, strategy: Any
 ) -> None:
     die_reader, die_writer = multiprocessing.Pipe(duplex=False)
-    policy = aiospawn.RestartPolicy(strategy="one_for_one", backoff=FAST)
+    policy = aiospawn.RestartPolicy(strategy=strategy, backoff=FAST)
     with die_reader, die_writer:
         async with group(
             live_ranks.first_message_per_attempt,
@@ -574,14 +575,17 @@ async def test_a_restarted_rank_gets_a_new_channel_and_none_of_the_old_messages(
             what="a channel across a restart",
         ) as ctx:
             assert await ctx.wait_ready() == [0, 0]
-            old = ctx.channel(1)
+            first, old = ctx.channel(0), ctx.channel(1)
             for seq in range(3):
                 await old.send(f"for the first attempt {seq}")  # buffered, never read
             die_writer.send("die")
             with pytest.raises(ProcessExitedException) as info:
                 await old.receive()
             assert info.value.exit_code == 3
-            assert await ctx.wait_ready() == [0, 1]
+            # The death was seen: the restarted attempts must be ready again.
+            restarted = 1 if strategy == "one_for_all" else 0
+            assert await ctx.wait_ready() == [restarted, 1]
+            assert (ctx.channel(0) is not first) == (strategy == "one_for_all")
             new = ctx.channel(1)
             assert new is not old
             with pytest.raises(ProcessExitedException):
