@@ -265,7 +265,10 @@ class Conversation:
         self._link.queue_frame(Kind.CLOSE, b"")
         # The rank may have ended: then there is nobody to tell.
         with contextlib.suppress(ProcessException, anyio.BrokenResourceError, anyio.EndOfStream):
-            await self._flush(0)
+            # Behind a send() that waits for the socket (two waiters on one fd
+            # are refused: BusyResourceError); that send writes the CLOSE too.
+            async with self._send_lock:
+                await self._flush(0)
 
     def close_sending(self) -> None:
         """:meth:`send_eof` without waiting: the frame goes out as the socket takes it."""
@@ -277,7 +280,9 @@ class Conversation:
     async def aclose(self) -> None:
         """:meth:`RankChannel.aclose`."""
         if not self._closed:
-            self.close_sending()
+            # No CLOSE frame first: a rank could read it and send before the
+            # release below, and its send would succeed into the void. The
+            # release shuts the socket down: its receive() ends, its send() fails.
             self._closed = True
             self.release()
         await checkpoint()

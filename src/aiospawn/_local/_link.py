@@ -141,4 +141,15 @@ class SocketLink:
         self._out.clear()
         self._queued = 0
         if fd is not None:
+            # Shut down first: under fork, a sibling rank holds a copy of this
+            # end until it has dropped the supervisor's descriptors, and
+            # close() alone would leave the rank's end open that long (its
+            # send() would not fail, nor its receive() see the end).
+            sock = socket.socket(fileno=fd)
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:  # the rank's end is gone already
+                pass
+            finally:
+                sock.detach()
             _pipes.close_watched(fd)

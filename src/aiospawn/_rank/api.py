@@ -56,7 +56,8 @@ def ready(payload: Any = None) -> None:
     (a port number, a shared-memory name: anything picklable) in rank order.
     Only the first call of an attempt counts; later ones do nothing. Works
     in sync and async ranks (it does not wait for the supervisor to read
-    it). Outside a rank it does nothing.
+    it). It counts as a heartbeat: a ready rank has started, whatever the
+    group's ``startup_timeout``. Outside a rank it does nothing.
 
     Raises:
         TypeError: ``payload`` cannot be pickled.
@@ -66,6 +67,9 @@ def ready(payload: Any = None) -> None:
     if frames is None or _ready:
         return
     data = encode(payload)
+    # Startup is over: without this beat, a rank that is ready and serving
+    # (and never beats) would be found hung once startup_timeout passed.
+    heartbeat()
     _ready = True
     frames.queue(Link.READY, data)
     with contextlib.suppress(BrokenPipeError):  # the supervisor closed the channel

@@ -344,6 +344,7 @@ def _prepare(setup: RankSetup, report: _Channel) -> None:
             *(end.fd for end in (setup.heartbeat, setup.stacks) if end is not None),
         ]
         _close_supervisor_fds(setup.inherited, set(own), wakeup_fd)
+        _forget_supervisor_loop()
     _guard_supervisor(setup.supervisor_pid, setup.supervisor_is_parent)
     if setup.env:  # a fork start has not set them yet
         os.environ.update(setup.env)
@@ -355,6 +356,27 @@ def _prepare(setup: RankSetup, report: _Channel) -> None:
         _watch_progress(setup.heartbeat, setup.stacks)
     _redirect(sys.stdout, 1, setup.stdout)
     _redirect(sys.stderr, 2, setup.stderr)
+
+
+def _forget_supervisor_loop() -> None:
+    """In a ``fork`` rank: forget the supervisor's trio loop, which this thread was running.
+
+    A fork copies the forking thread's thread-locals, and the supervisor forks
+    on its event-loop thread. trio keeps its running loop there (``trio.run()``
+    would refuse: "called from inside a run()"), and sniffio the name of the
+    running library (so anyio in an asyncio rank would take it for trio).
+    asyncio needs nothing: it checks the pid of its running loop.
+    Looked up in ``sys.modules``: a rank that never imported them has nothing to forget.
+    """
+    trio_run = sys.modules.get("trio._core._run")
+    if trio_run is not None:
+        for name in ("runner", "task"):
+            with contextlib.suppress(AttributeError):
+                delattr(trio_run.GLOBAL_RUN_CONTEXT, name)
+    sniffio = sys.modules.get("sniffio")
+    if sniffio is not None:
+        sniffio.thread_local.name = None
+        sniffio.current_async_library_cvar.set(None)
 
 
 class _Terminated(BaseException):

@@ -274,6 +274,7 @@ class AsyncChannel:
         self._loop = loop
         self._sender: object | None = None
         self._receiver: object | None = None
+        self._writing: Any = None  # the loop's Lock, made on first use
 
     async def send(self, obj: Any) -> None:
         """Send ``obj`` to the supervisor; waits while the channel is full.
@@ -354,8 +355,25 @@ class AsyncChannel:
         setattr(self, role, object())
 
     async def _flush(self) -> None:
-        while not self._frames.write_some():
-            await self._wait(write=True)
+        if self._frames.write_some():
+            return
+        # One task at a time waits for the socket: a sender and serve()'s
+        # replies can both be flushing, and two waiters on one fd are refused
+        # by trio (BusyResourceError) and, in asyncio, the second add_writer()
+        # replaces the first one's callback, which is then never woken. The
+        # task that waits writes every queued frame, the others' too.
+        if self._writing is None:
+            if self._loop == "trio":
+                import trio
+
+                self._writing = trio.Lock()
+            else:
+                import asyncio
+
+                self._writing = asyncio.Lock()
+        async with self._writing:
+            while not self._frames.write_some():
+                await self._wait(write=True)
 
     async def _next(self, kept: collections.deque[bytes | bytearray]) -> bytes | bytearray:
         frames = self._frames
