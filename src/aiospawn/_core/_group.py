@@ -296,8 +296,8 @@ class Group(Generic[T]):
             )
         if unready:
             raise RuntimeError(
-                f"rank(s) {', '.join(str(rank.rank) for rank in unready)} ended before"
-                " calling aiospawn.ready()"
+                "the group ended before every rank called aiospawn.ready(): rank(s)"
+                f" {', '.join(str(rank.rank) for rank in unready)} returned first"
             )
         return [await decode(self._channels[rank].ready_payload or b"") for rank in self._ranks]
 

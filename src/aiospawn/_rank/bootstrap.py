@@ -399,7 +399,6 @@ def _run_async(main: Coroutine[Any, Any, Any], loop: str) -> Any:
     if loop == "trio":
         import trio
 
-        _forget_inherited_trio_run(trio)
         value = trio.run(_trio_main, main, terminated)
     else:
         import asyncio
@@ -414,19 +413,6 @@ def _run_async(main: Coroutine[Any, Any, Any], loop: str) -> Any:
     if terminated:
         raise _Terminated
     return value
-
-
-def _forget_inherited_trio_run(trio: Any) -> None:
-    # A fork rank of a trio supervisor is a copy of the thread that ran
-    # trio.run(): trio's thread-local run context still names that run, and a
-    # new trio.run() would refuse ("Attempted to call run() from inside a
-    # run()"). That run does not exist in this process. (asyncio needs
-    # nothing: its running loop is recorded with the pid that runs it.)
-    context = getattr(getattr(trio, "_core", None), "_run", None)
-    context = getattr(context, "GLOBAL_RUN_CONTEXT", None)
-    for name in ("runner", "task"):
-        with contextlib.suppress(AttributeError):
-            delattr(context, name)
 
 
 async def _asyncio_main(main: Coroutine[Any, Any, Any], terminated: list[bool]) -> Any:
