@@ -201,8 +201,6 @@ class Conversation:
         self._replies: dict[int, bytes | bytearray | None] = {}
         self._changed = Broadcast()
         self._reading = False
-        self._foreground = 0  # tasks waiting for a frame of their own
-        self._background: anyio.CancelScope | None = None  # the supervision's reading
         self._ended = False  # the stream from the rank ended (or the link was released)
         self._rank_closed = False  # ... because the rank closed its end
         self._closed = False  # aclose() was called
@@ -343,22 +341,8 @@ class Conversation:
         await self._read_until(lambda: self.ready)
 
     async def read(self) -> None:
-        """Read frames, in the background, for as long as the stream lasts.
-
-        The group's supervision runs this. A task that waits for a frame of its
-        own (``receive()``, ``call()``, ``wait_ready()``) takes the reading over
-        while it waits, so that one task wakes per frame, not two.
-        """
-        while not self._ended:
-            if self._foreground:
-                await self._changed.wait()
-                continue
-            with anyio.CancelScope() as scope:
-                self._background = scope
-                try:
-                    await self._read_until(lambda: self._foreground > 0, foreground=False)
-                finally:
-                    self._background = None
+        """Read frames for as long as the stream lasts (the group's supervision does)."""
+        await self._read_until(lambda: False)
 
     # ------------------------------------------------------------------ inside
 
@@ -391,28 +375,18 @@ class Conversation:
             with contextlib.suppress(OSError):
                 self._link.write_some()
 
-    async def _read_until(self, done: Callable[[], bool], *, foreground: bool = True) -> None:
+    async def _read_until(self, done: Callable[[], bool]) -> None:
         """Return once ``done()``, the stream has ended, or :meth:`aclose` was called."""
-        if foreground:
-            self._foreground += 1
-            if self._background is not None:
-                self._background.cancel()  # it stops reading at once: nothing is lost
-        try:
-            while not (done() or self._ended):
-                if self._reading:
-                    await self._changed.wait()
-                    continue
-                self._reading = True
-                try:
-                    await self._read_frame_or_exit()
-                finally:
-                    self._reading = False
-                    self._changed.notify()
-        finally:
-            if foreground:
-                self._foreground -= 1
-                if not self._foreground:
-                    self._changed.notify()  # the background reader takes over again
+        while not (done() or self._ended):
+            if self._reading:
+                await self._changed.wait()
+                continue
+            self._reading = True
+            try:
+                await self._read_frame_or_exit()
+            finally:
+                self._reading = False
+                self._changed.notify()
 
     async def _read_frame_or_exit(self) -> None:
         """Read one frame; or, once the attempt has exited, what it left, and end.
