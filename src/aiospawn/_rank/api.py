@@ -55,9 +55,10 @@ def ready(payload: Any = None) -> None:
     supervisor's ``await ctx.wait_ready()`` returns every rank's ``payload``
     (a port number, a shared-memory name: anything picklable) in rank order.
     Only the first call of an attempt counts; later ones do nothing. Works
-    in sync and async ranks (it does not wait for the supervisor to read
-    it). It counts as a heartbeat: a ready rank has started, whatever the
-    group's ``startup_timeout``. Outside a rank it does nothing.
+    in sync and async ranks; it waits only while the channel is full (in an
+    async rank, blocking its loop meanwhile). It counts as a heartbeat: a
+    ready rank has started, whatever the group's ``startup_timeout``.
+    Outside a rank it does nothing.
 
     Raises:
         TypeError: ``payload`` cannot be pickled.
@@ -71,8 +72,8 @@ def ready(payload: Any = None) -> None:
     # (and never beats) would be found hung once startup_timeout passed.
     heartbeat()
     _ready = True
-    frames.queue(Link.READY, data)
-    with contextlib.suppress(BrokenPipeError):  # the supervisor closed the channel
+    with frames.sending, contextlib.suppress(BrokenPipeError):  # (the supervisor closed it)
+        frames.queue(Link.READY, data)
         frames.flush()
 
 

@@ -57,6 +57,8 @@ class _Frames:
         self._reader = FrameReader()
         self.messages: collections.deque[bytes | bytearray] = collections.deque()
         self.calls: collections.deque[bytes | bytearray] = collections.deque()
+        #: Held by a thread of a sync rank while it queues and writes a frame.
+        self.sending = _thread.allocate_lock()
         #: True once the supervisor closed its end (a CLOSE frame, or end of file).
         self.peer_closed = False
         self.closed = False
@@ -187,7 +189,7 @@ class Channel:
 
     def __init__(self, frames: _Frames) -> None:
         self._frames = frames
-        self._sending = _thread.allocate_lock()
+        self._sending = frames.sending
         self._receiving = _thread.allocate_lock()
 
     def send(self, obj: Any) -> None:
