@@ -195,6 +195,9 @@ class AsyncProcessContext(Generic[T]):
                 stopped) before it answered; raised at once.
             anyio.BrokenResourceError: A rank ended, or closed its channel,
                 without answering.
+            anyio.ClosedResourceError: A rank's channel was closed here
+                (``aclose()``, ``send_eof()``, or the end of the ``async with``
+                block).
             TimeoutError: ``timeout`` seconds passed; the message names the
                 ranks that did not answer.
             TypeError: The arguments cannot be pickled, or ``ranks`` is not
