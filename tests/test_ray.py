@@ -772,3 +772,53 @@ async def test_a_restarted_rank_gets_a_new_channel(cluster: LocalCluster) -> Non
             assert fresh is not old
             await fresh.send("for attempt 1")
     assert ctx.results == [["for attempt 1"]]
+
+
+async def test_a_rank_failing_before_it_is_ready_fails_wait_ready(cluster: LocalCluster) -> None:
+    ctx = await aiospawn.start_processes(
+        ray_ranks.fail_before_ready, args=(1,), nprocs=2, join=False, backend=backend_for(cluster)
+    )
+    try:
+        with tripwire(60, "wait_ready() on a Ray rank that failed before it was ready"):
+            with pytest.raises(ProcessRaisedException, match="rank 1 failed before") as caught:
+                await ctx.wait_ready()
+            assert ctx.statistics().alive == 0  # the group was shut down first
+    finally:
+        await ctx.terminate()
+    assert caught.value.error_index == 1
+
+
+async def test_wait_ready_counts_a_restarted_rank_once_its_new_attempt_is_ready(
+    cluster: LocalCluster,
+) -> None:
+    policy = aiospawn.RestartPolicy(max_restarts=1, backoff=aiospawn.Backoff(initial=0))
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    (inner,) = listener.listeners
+    assert isinstance(inner, anyio.abc.SocketListener)
+    with tripwire(60, "wait_ready() across a Ray rank's restart"):
+        async with (
+            listener,
+            aiospawn.open_group(
+                ray_ranks.ready_again_when_told,
+                args=(inner.extra(anyio.abc.SocketAttribute.local_port),),
+                nprocs=1,
+                backend=backend_for(cluster),
+                restart=policy,
+            ) as ctx,
+        ):
+            assert await ctx.wait_ready() == [0]
+            # The rank may take the message and fail before the board tells
+            # this send() its frame was written: then send() raises its failure.
+            with contextlib.suppress(aiospawn.ProcessException):
+                await ctx.channel(0).send("fail now")
+            # Attempt 1 runs and is held before its ready(): attempt 0's
+            # readiness must not count for it.
+            async with await inner.accept() as attempt_1:
+                assert await attempt_1.receive() == b"0\n"
+                assert [rank.ready for rank in ctx.statistics().ranks] == [False]
+                with pytest.raises(TimeoutError, match="0"):
+                    await ctx.wait_ready(timeout=1)
+                await attempt_1.send(b"!")
+                assert await ctx.wait_ready() == [1]
+            assert [rank.restarts for rank in ctx.statistics().ranks] == [1]
+    assert ctx.results == [1]
