@@ -275,3 +275,35 @@ def send_sized(rank: int, count: int) -> None:
     channel = aiospawn.channel()
     for seq in range(count):
         channel.send((seq, sized(seq)))
+
+
+class AsyncShard:
+    """The ``async def`` handler of :func:`serve_shard_async`."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    async def add(self, a: int, b: int = 0) -> tuple[int, int]:
+        import sniffio
+
+        await _sleep(sniffio.current_async_library(), 0)
+        return self.rank, a + b
+
+    async def fail_on(self, bad: int) -> None:
+        import sniffio
+
+        await _sleep(sniffio.current_async_library(), 0)
+        if self.rank == bad:
+            raise ValueError(f"async shard {self.rank} cannot")
+
+    def whoami(self) -> int:
+        return self.rank
+
+
+async def serve_shard_async(rank: int) -> str:
+    """Ready, then ``await aiospawn.serve()`` :class:`AsyncShard` calls until closed."""
+    import aiospawn
+
+    aiospawn.ready()
+    await aiospawn.serve(AsyncShard(rank))
+    return "served"

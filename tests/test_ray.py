@@ -949,3 +949,25 @@ async def test_a_call_storm_never_answers_a_call_with_another_calls_reply(
     assert ctx.results == [0, 0]
     assert all(answered), f"every call was cancelled, {answered}: the storm tested nothing"
     assert sum(answered) < 2 * STORM, "no call was cancelled: the storm tested nothing"
+
+
+@pytest.mark.parametrize("rank_loop", ["asyncio", "trio"])
+async def test_an_async_rank_serves_with_async_handler_methods(
+    cluster: LocalCluster, rank_loop: str
+) -> None:
+    with tripwire(60, "an async Ray rank serving async handler methods"):
+        async with aiospawn.open_group(
+            ray_ranks.serve_shard_async,
+            nprocs=2,
+            backend=backend_for(cluster),
+            rank_loop=rank_loop,
+            wait_ready=True,
+        ) as ctx:
+            assert await ctx.call("add", 3, b=4) == [(0, 7), (1, 7)]
+            assert await ctx.call("whoami", ranks=[1]) == [1]
+            with pytest.raises(ValueError, match="async shard 0 cannot") as caught:
+                await ctx.call("fail_on", 0)
+            assert any("rank 0" in note for note in caught.value.__notes__)
+            # The handler's error did not end serving.
+            assert await ctx.call("add", 1) == [(0, 1), (1, 1)]
+    assert ctx.results == ["served", "served"]
