@@ -167,6 +167,9 @@ class Shard:
     def scale(self, x: int) -> tuple[int, int]:
         return self.rank, self.rank * x
 
+    def add(self, a: int, b: int = 0) -> tuple[int, int]:
+        return self.rank, a + b
+
     def fail_on(self, bad: int) -> None:
         if self.rank == bad:
             raise ValueError(f"shard {self.rank} cannot")
@@ -228,3 +231,79 @@ def unread_or_closed(rank: int) -> None:
             raise ValueError("EOFError, then BrokenPipeError") from None
         time.sleep(0.05)
     raise ValueError("EOFError, then the sends went through")
+
+
+def fail_before_ready(rank: int, failing: int) -> None:
+    """Rank ``failing`` raises before it is ready; the others are ready and wait to be stopped."""
+    import aiospawn
+
+    if rank == failing:
+        raise ValueError(f"rank {rank} failed before it was ready")
+    aiospawn.ready(rank)
+    time.sleep(600)
+
+
+def ready_again_when_told(rank: int, port: int) -> int:
+    """Attempt 0 is ready and fails on its first message; attempt 1 is ready only when told.
+
+    Attempt 1 connects to the test on ``port``, reports, and says ready once the
+    test sends a byte: so a supervisor that counted the dead attempt's
+    readiness would return while attempt 1 is held.
+    """
+    import aiospawn
+
+    attempt = aiospawn.restart_count()
+    if attempt == 0:
+        aiospawn.ready(attempt)
+        aiospawn.channel().receive()
+        raise RuntimeError("attempt 0 fails on its first message")
+    with socket.create_connection(("127.0.0.1", port)) as connection:
+        connection.sendall(b"%d\n" % rank)
+        connection.recv(1)
+    aiospawn.ready(attempt)
+    return attempt
+
+
+def sized(seq: int) -> bytes:
+    """Message ``seq``'s payload: up to 600 kB, so some span several board chunks."""
+    return bytes([seq % 256]) * (seq % 5 * 150_000)
+
+
+def send_sized(rank: int, count: int) -> None:
+    import aiospawn
+
+    channel = aiospawn.channel()
+    for seq in range(count):
+        channel.send((seq, sized(seq)))
+
+
+class AsyncShard:
+    """The ``async def`` handler of :func:`serve_shard_async`."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    async def add(self, a: int, b: int = 0) -> tuple[int, int]:
+        import sniffio
+
+        await _sleep(sniffio.current_async_library(), 0)
+        return self.rank, a + b
+
+    async def fail_on(self, bad: int) -> None:
+        import sniffio
+
+        await _sleep(sniffio.current_async_library(), 0)
+        if self.rank == bad:
+            raise ValueError(f"async shard {self.rank} cannot")
+
+    def whoami(self) -> int:
+        return self.rank
+
+
+async def serve_shard_async(rank: int) -> str:
+    """Ready, then ``await aiospawn.serve()`` :class:`AsyncShard` calls until closed."""
+    import aiospawn
+
+    aiospawn.ready()
+    await aiospawn.serve(AsyncShard(rank))
+    return "served"

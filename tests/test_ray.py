@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
+import os
+import random
 import signal
 import subprocess
 import sys
@@ -772,3 +775,199 @@ async def test_a_restarted_rank_gets_a_new_channel(cluster: LocalCluster) -> Non
             assert fresh is not old
             await fresh.send("for attempt 1")
     assert ctx.results == [["for attempt 1"]]
+
+
+async def test_a_rank_failing_before_it_is_ready_fails_wait_ready(cluster: LocalCluster) -> None:
+    ctx = await aiospawn.start_processes(
+        ray_ranks.fail_before_ready, args=(1,), nprocs=2, join=False, backend=backend_for(cluster)
+    )
+    try:
+        with tripwire(60, "wait_ready() on a Ray rank that failed before it was ready"):
+            with pytest.raises(ProcessRaisedException, match="rank 1 failed before") as caught:
+                await ctx.wait_ready()
+            assert ctx.statistics().alive == 0  # the group was shut down first
+    finally:
+        await ctx.terminate()
+    assert caught.value.error_index == 1
+
+
+async def test_wait_ready_counts_a_restarted_rank_once_its_new_attempt_is_ready(
+    cluster: LocalCluster,
+) -> None:
+    policy = aiospawn.RestartPolicy(max_restarts=1, backoff=aiospawn.Backoff(initial=0))
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    (inner,) = listener.listeners
+    assert isinstance(inner, anyio.abc.SocketListener)
+    with tripwire(60, "wait_ready() across a Ray rank's restart"):
+        async with (
+            listener,
+            aiospawn.open_group(
+                ray_ranks.ready_again_when_told,
+                args=(inner.extra(anyio.abc.SocketAttribute.local_port),),
+                nprocs=1,
+                backend=backend_for(cluster),
+                restart=policy,
+            ) as ctx,
+        ):
+            assert await ctx.wait_ready() == [0]
+            # The rank may take the message and fail before the board tells
+            # this send() its frame was written: then send() raises its failure.
+            with contextlib.suppress(aiospawn.ProcessException):
+                await ctx.channel(0).send("fail now")
+            # Attempt 1 runs and is held before its ready(): attempt 0's
+            # readiness must not count for it.
+            async with await inner.accept() as attempt_1:
+                assert await attempt_1.receive() == b"0\n"
+                assert [rank.ready for rank in ctx.statistics().ranks] == [False]
+                with pytest.raises(TimeoutError, match="0"):
+                    await ctx.wait_ready(timeout=1)
+                await attempt_1.send(b"!")
+                assert await ctx.wait_ready() == [1]
+            assert [rank.restarts for rank in ctx.statistics().ranks] == [1]
+    assert ctx.results == [1]
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_100_mb_message_goes_both_ways(cluster: LocalCluster) -> None:
+    """100 MB to the rank and back through the board: 5 to 10 s on the machine it was written on."""
+    payload = os.urandom(100 << 20)
+    with tripwire(60, "a 100 MB echo through a Ray rank"):
+        async with aiospawn.open_group(
+            ray_ranks.echo, nprocs=1, backend=backend_for(cluster)
+        ) as ctx:
+            channel = ctx.channel(0)
+            assert await channel.receive() == ("hello", 0)
+            await channel.send(payload)
+            rank, echoed = await channel.receive()
+            assert rank == 0
+            assert echoed == payload
+
+
+def deadlines(seed: int, count: int) -> list[float]:
+    """Tiny random deadlines, some zero (cancelled at the first checkpoint), some none.
+
+    Up to 20 ms, ten times the local tests' longest, and a third without a
+    deadline (``math.inf``): a message through the board takes about a
+    millisecond, a call to two ranks several, and how many fit in a tiny
+    deadline varies too much from run to run to be sure some complete.
+    """
+    rng = random.Random(seed)
+    return [rng.choice([0.0, rng.uniform(0, 0.02), math.inf]) for _ in range(count)]
+
+
+STORM = 50
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_send_storm_loses_and_duplicates_nothing(cluster: LocalCluster) -> None:
+    completed = []
+    echoed = []
+    with tripwire(60, "a send storm to a Ray rank"):
+        async with aiospawn.open_group(
+            ray_ranks.echo, nprocs=1, backend=backend_for(cluster)
+        ) as ctx:
+            channel = ctx.channel(0)
+            assert await channel.receive() == ("hello", 0)
+
+            async def read_echoes() -> None:
+                # Read all along: a rank blocked sending its echoes would stop reading.
+                while (message := await channel.receive())[1][0] != "end":
+                    rank, (seq, payload) = message
+                    assert (rank, len(payload)) == (0, seq % 5 * 150_000)
+                    echoed.append(seq)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(read_echoes)
+                for seq, deadline in enumerate(deadlines(1, STORM)):
+                    # Up to 600 kB: a send often waits for the board, then is cancelled.
+                    with anyio.move_on_after(deadline):
+                        await channel.send((seq, b"s" * (seq % 5 * 150_000)))
+                        completed.append(seq)
+                await channel.send(("end", b""))
+    # Each message is delivered whole, once, in order; a cancelled send may or may not be.
+    assert echoed == sorted(set(echoed))
+    assert set(completed) <= set(echoed)
+    assert completed, "every send was cancelled: the storm tested nothing"
+    assert len(completed) < STORM, "no send was cancelled: the storm tested nothing"
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_receive_storm_loses_and_duplicates_nothing(cluster: LocalCluster) -> None:
+    received = []
+    cancelled = 0
+    with tripwire(60, "a receive storm from a Ray rank"):
+        async with aiospawn.open_group(
+            ray_ranks.send_sized, args=(STORM,), nprocs=1, backend=backend_for(cluster)
+        ) as ctx:
+            channel = ctx.channel(0)
+            rng = random.Random(2)
+            while True:
+                with anyio.move_on_after(rng.choice([0.0, rng.uniform(0, 0.02)])) as scope:
+                    try:
+                        seq, payload = await channel.receive()
+                    except anyio.EndOfStream:
+                        break
+                    assert payload == ray_ranks.sized(seq)
+                    received.append(seq)
+                cancelled += scope.cancelled_caught
+    assert received == list(range(STORM))
+    assert cancelled, "no receive was cancelled: the storm tested nothing"
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_call_storm_never_answers_a_call_with_another_calls_reply(
+    cluster: LocalCluster,
+) -> None:
+    answered = [0, 0]
+    with tripwire(60, "a call storm on Ray ranks"):
+        async with aiospawn.open_group(
+            ray_ranks.serve_shard, nprocs=2, backend=backend_for(cluster), wait_ready=True
+        ) as ctx:
+
+            async def storm(caller: int) -> None:
+                # Two callers at once, each its own numbers: a reply to the wrong
+                # call shows as a wrong sum.
+                base = caller * 1_000_000
+                for seq, deadline in enumerate(deadlines(3 + caller, STORM)):
+                    with anyio.move_on_after(deadline):
+                        if seq % 2:
+                            answer = await ctx.call("add", base + seq, b=1)
+                        else:  # ended by the call's own timeout instead
+                            try:
+                                answer = await ctx.call(
+                                    "add", base + seq, b=1, timeout=min(deadline, 60)
+                                )
+                            except TimeoutError:
+                                continue
+                        assert answer == [(0, base + seq + 1), (1, base + seq + 1)]
+                        answered[caller] += 1
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(storm, 0)
+                tg.start_soon(storm, 1)
+            assert await ctx.call("add", -1) == [(0, -1), (1, -1)]
+    assert ctx.results == [0, 0]
+    assert all(answered), f"every call was cancelled, {answered}: the storm tested nothing"
+    assert sum(answered) < 2 * STORM, "no call was cancelled: the storm tested nothing"
+
+
+@pytest.mark.parametrize("rank_loop", ["asyncio", "trio"])
+async def test_an_async_rank_serves_with_async_handler_methods(
+    cluster: LocalCluster, rank_loop: str
+) -> None:
+    with tripwire(60, "an async Ray rank serving async handler methods"):
+        async with aiospawn.open_group(
+            ray_ranks.serve_shard_async,
+            nprocs=2,
+            backend=backend_for(cluster),
+            rank_loop=rank_loop,
+            wait_ready=True,
+        ) as ctx:
+            assert await ctx.call("add", 3, b=4) == [(0, 7), (1, 7)]
+            assert await ctx.call("whoami", ranks=[1]) == [1]
+            with pytest.raises(ValueError, match="async shard 0 cannot") as caught:
+                await ctx.call("fail_on", 0)
+            assert any("rank 0" in note for note in caught.value.__notes__)
+            # The handler's error did not end serving.
+            assert await ctx.call("add", 1) == [(0, 1), (1, 1)]
+    assert ctx.results == ["served", "served"]
