@@ -776,8 +776,12 @@ def inventory(pid: int, handshake: Connection) -> Counter[str]:
                 if target in ours
                 else "pipe (other end elsewhere)"
             )
+        elif target.startswith("socket:"):
+            # A rank holds one: its end of its channel's socket pair (the
+            # supervisor's end is another inode, so it is counted, not matched).
+            label = "a socket"
         else:
-            label = target  # a file, a socket, an event poll: none is expected
+            label = target  # a file, an event poll: none is expected
         labels[label] += 1
     return labels
 
@@ -789,11 +793,12 @@ ALLOWED = {
     "pidfd of the supervisor",
     "pipe shared with the supervisor",
     "pipe (other end elsewhere)",
+    "a socket",
 }
 
 
 @pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
-async def test_a_rank_holds_only_what_multiprocessing_needs_plus_its_pipe_and_pidfd(
+async def test_a_rank_holds_only_what_multiprocessing_needs_plus_its_pipes_and_pidfd(
     start_method: str,
 ) -> None:
     """Compare a running rank's fds with those of a plain multiprocessing child.
@@ -807,9 +812,10 @@ async def test_a_rank_holds_only_what_multiprocessing_needs_plus_its_pipe_and_pi
       child holds the same, a second /dev/null (the fork server's own stdin)
       and the fork server's "alive" pipe instead of the sentinel's write end;
     * an aiospawn rank holds exactly that, plus the write end of its result
-      pipe (an anonymous pipe whose read end only the supervisor holds) and a
-      pidfd of the supervisor (the parent-death guard). No regular file, no
-      socket, no event poll, no pidfd of another process, no sibling's pipe.
+      pipe (an anonymous pipe whose read end only the supervisor holds), its
+      end of its channel (one socket of a pair) and a pidfd of the supervisor
+      (the parent-death guard). No regular file, no other socket, no event
+      poll, no pidfd of another process, no sibling's pipe.
 
     Under ``fork`` a rank starts with the supervisor's whole fd table, as any
     ``fork`` child does; the bootstrap closes aiospawn's part of it and the
@@ -843,7 +849,7 @@ async def test_a_rank_holds_only_what_multiprocessing_needs_plus_its_pipe_and_pi
 
     print(f"{start_method}: plain child {dict(baseline)}; ranks {[dict(h) for h in held]}")
     expected = baseline + Counter(
-        {"pipe shared with the supervisor": 1, "pidfd of the supervisor": 1}
+        {"pipe shared with the supervisor": 1, "pidfd of the supervisor": 1, "a socket": 1}
     )
     for rank, labels in enumerate(held):
         assert set(labels) <= ALLOWED, f"rank {rank} holds {labels}"

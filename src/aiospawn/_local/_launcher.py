@@ -301,6 +301,7 @@ def _fork_table() -> dict[int, tuple[int, int]]:
     ``getattr``: the architecture page lists them), and the rank drops them by
     file identity like any other descriptor of ours.
     """
+    _pipes.forget_stale()  # the sockets of loops that have closed since
     for sock in _loop_wakeup_sockets():
         try:
             _pipes.track(sock.fileno())
