@@ -7,7 +7,6 @@ pipe, and recorded in the descriptor table a ``fork`` rank clears.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import os
 import socket
@@ -15,15 +14,13 @@ import socket
 import anyio
 from anyio.lowlevel import checkpoint
 
-from aiospawn._rank.wire import HEADER, ChildEnd, FrameReader
+from aiospawn._rank.wire import ChildEnd, FrameQueue, FrameReader
 
 from . import _pipes
 
 _READ_CHUNK = 256 * 1024
 #: At most this much is read per wake-up, so that the loop runs other tasks between.
 _READ_BUDGET = 1024 * 1024
-#: A payload up to this size is copied behind its header and written with it.
-_JOIN_BYTES = 64 * 1024
 
 
 def rank_socket() -> tuple[int, ChildEnd]:
@@ -40,8 +37,7 @@ class SocketLink:
         self._fd: int | None = fd
         self._reader = FrameReader()
         self._budget_spent = False  # frame_now() stopped for the loop's sake, not for data
-        self._out: collections.deque[memoryview] = collections.deque()
-        self._queued = 0
+        self._out = FrameQueue()
 
     async def receive_frame(self) -> tuple[int, bytes | bytearray] | None:
         """The next frame, or None at the end of the stream; cancellation-safe."""
@@ -88,20 +84,12 @@ class SocketLink:
 
     def queue_frame(self, kind: int, payload: bytes) -> None:
         """Add a frame, whole, to the outgoing queue."""
-        header = HEADER.pack(kind, len(payload))
-        if len(payload) <= _JOIN_BYTES:
-            # One write, not two: a header written alone wakes the rank, which then
-            # waits again for the payload (a wake-up per message for nothing).
-            self._out.append(memoryview(header + payload))
-        else:
-            self._out.append(memoryview(header))
-            self._out.append(memoryview(payload))
-        self._queued += HEADER.size + len(payload)
+        self._out.add(kind, payload)
 
     @property
     def queued(self) -> int:
         """Bytes queued and not yet written."""
-        return self._queued
+        return self._out.queued
 
     def write_some(self) -> bool:
         """Write what the socket takes now; True once nothing is queued.
@@ -112,20 +100,7 @@ class SocketLink:
         fd = self._fd
         if fd is None:
             raise BrokenPipeError("the channel was released")
-        while self._out:
-            head = self._out[0]
-            try:
-                written = os.write(fd, head)
-            except BlockingIOError:
-                return False
-            except ConnectionResetError as exc:
-                raise BrokenPipeError(str(exc)) from exc
-            self._queued -= written
-            if written == len(head):
-                self._out.popleft()
-            else:
-                self._out[0] = head[written:]
-        return True
+        return self._out.write_some(fd)
 
     async def wait_writable(self) -> None:
         """Wait until the socket takes more."""
@@ -139,7 +114,6 @@ class SocketLink:
         """Close our end, waking a task that waits on it."""
         fd, self._fd = self._fd, None
         self._out.clear()
-        self._queued = 0
         if fd is not None:
             # Shut down first: under fork, a sibling rank holds a copy of this
             # end until it has dropped the supervisor's descriptors, and

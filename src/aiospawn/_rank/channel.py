@@ -39,11 +39,9 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from .wire import CALL_ID, HEADER, FrameReader, Link, encode_exception, from_fn
+from .wire import CALL_ID, FrameQueue, FrameReader, Link, encode_exception, from_fn
 
 _READ_CHUNK = 256 * 1024
-#: A payload up to this size is copied behind its header and written with it.
-_JOIN_BYTES = 64 * 1024
 
 
 class _Frames:
@@ -53,7 +51,7 @@ class _Frames:
         self.fd = fd
         os.set_blocking(fd, False)
         self._identity = _identity(fd)
-        self._out: collections.deque[memoryview] = collections.deque()
+        self._out = FrameQueue()
         self._reader = FrameReader()
         self.messages: collections.deque[bytes | bytearray] = collections.deque()
         self.calls: collections.deque[bytes | bytearray] = collections.deque()
@@ -65,38 +63,22 @@ class _Frames:
 
     def queue(self, kind: int, payload: bytes) -> None:
         self._check_open()
-        header = HEADER.pack(kind, len(payload))
-        if len(payload) <= _JOIN_BYTES:
-            # One write, not two: a header written alone wakes the supervisor,
-            # which then waits again for the payload.
-            self._out.append(memoryview(header + payload))
-        else:
-            self._out.append(memoryview(header))
-            self._out.append(memoryview(payload))
+        self._out.add(kind, payload)
 
     @property
     def unsent(self) -> bool:
-        return bool(self._out)
+        return self._out.queued > 0
 
     def write_some(self) -> bool:
         """Write what the socket takes now; True once nothing is left queued."""
-        while self._out:
-            head = self._out[0]
-            try:
-                written = os.write(self.fd, head)
-            except BlockingIOError:
-                return False
-            except (BrokenPipeError, ConnectionResetError):
-                # The supervisor closed its end (or is gone): nothing written
-                # could be read.
-                self._out.clear()
-                self.peer_closed = True
-                raise BrokenPipeError("the supervisor closed this rank's channel") from None
-            if written == len(head):
-                self._out.popleft()
-            else:
-                self._out[0] = head[written:]
-        return True
+        try:
+            return self._out.write_some(self.fd)
+        except BrokenPipeError:
+            # The supervisor closed its end (or is gone): nothing written
+            # could be read.
+            self._out.clear()
+            self.peer_closed = True
+            raise BrokenPipeError("the supervisor closed this rank's channel") from None
 
     def read_some(self) -> None:
         """Read what the socket holds now, sorting each complete frame by kind."""

@@ -20,6 +20,8 @@ Part of the rank-side package: standard library only.
 
 from __future__ import annotations
 
+import collections
+import os
 import pickle
 import signal
 import struct
@@ -77,6 +79,61 @@ class Link:
     REPLY: Final = 4
     #: Empty: the sender closed its end; nothing more comes from it.
     CLOSE: Final = 5
+
+
+#: A payload up to this size is copied behind its header and written with it.
+JOIN_BYTES = 64 * 1024
+
+
+class FrameQueue:
+    """Frames waiting to be written to a non-blocking descriptor, each queued whole.
+
+    Both ends of a channel write through one: the rank (``_rank.channel``) and
+    the supervisor (``_local._link``).
+    """
+
+    def __init__(self) -> None:
+        self._out: collections.deque[memoryview] = collections.deque()
+        #: Bytes queued and not yet written.
+        self.queued = 0
+
+    def add(self, kind: int, payload: bytes) -> None:
+        """Queue one frame, whole."""
+        head = HEADER.pack(kind, len(payload))
+        if len(payload) <= JOIN_BYTES:
+            # One write, not two: a header written alone wakes the reader,
+            # which then waits again for the payload.
+            self._out.append(memoryview(head + payload))
+        else:
+            self._out.append(memoryview(head))
+            self._out.append(memoryview(payload))
+        self.queued += len(head) + len(payload)
+
+    def write_some(self, fd: int) -> bool:
+        """Write what ``fd`` takes now; True once nothing is left queued.
+
+        Raises:
+            BrokenPipeError: The other end is closed (a reset reads as this too).
+        """
+        while self._out:
+            head = self._out[0]
+            try:
+                written = os.write(fd, head)
+            except BlockingIOError:
+                return False
+            except ConnectionResetError as exc:
+                raise BrokenPipeError(str(exc)) from exc
+            self.queued -= written
+            if written == len(head):
+                self._out.popleft()
+            else:
+                self._out[0] = head[written:]
+        return True
+
+    def clear(self) -> None:
+        """Drop everything queued."""
+        self._out.clear()
+        self.queued = 0
 
 
 class ChildEnd:
