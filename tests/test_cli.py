@@ -485,6 +485,22 @@ def test_a_no_python_program_dies_with_its_rank(launchers: list[Launcher]) -> No
     assert wait_until(lambda: all(is_gone(pid) for pid in programs), 10)
 
 
+def test_only_the_launchers_own_output_can_kill_it_with_sigpipe(
+    launchers: list[Launcher],
+) -> None:
+    # The launcher holds sockets too (channels, a Ray driver's): a peer closing
+    # during a write must be an error there, not the launcher's death.
+    launcher = start(
+        launchers, "run", "-n", "1", "--no-python", "sh", "-c", "echo ready $$; exec sleep 60"
+    )
+    launcher.ready_pids(1)
+    with open(f"/proc/{launcher.proc.pid}/status") as status:
+        ignored = next(int(line.split()[1], 16) for line in status if line.startswith("SigIgn:"))
+    assert ignored & (1 << (signal.SIGPIPE - 1)), "SIGPIPE is not ignored in the launcher"
+    launcher.proc.send_signal(signal.SIGTERM)
+    assert launcher.finish()[0] == 143
+
+
 def test_a_closed_output_pipe_ends_the_launcher_and_its_ranks(launchers: list[Launcher]) -> None:
     launcher = start(launchers, "run", "-n", "2", program("flood.py"))
     pids = launcher.ready_pids(2)

@@ -14,7 +14,8 @@ status) is the docs' command-line page (``docs/cli.md``) and ``aiospawn run
 One command, four steps, one module each: ``_parse`` (the flags, torchrun's
 spellings) -> ``_plan`` (a checked command line) -> ``_run`` (supervision and
 signals, with ``_status``, the live status line) -> ``_report`` (the summary
-and the exit status) and ``_errorfile`` (torchrun's error file). What each rank runs lives in
+and the exit status) and ``_errorfile`` (torchrun's error file); ``_streams`` makes a closed
+output pipe end the launcher as it ends other tools. What each rank runs lives in
 ``aiospawn._rank.programs``, which a rank imports instead of this package.
 
 Import rule: this package may import ``aiospawn`` (its public API), anyio, the
@@ -25,7 +26,6 @@ but ``aiospawn.__main__`` and the ``aiospawn`` script.
 from __future__ import annotations
 
 import logging
-import signal
 import sys
 from typing import TYPE_CHECKING
 
@@ -35,6 +35,7 @@ from ._parse import PROG, UsageError, parse
 from ._plan import Plan
 from ._report import say
 from ._run import supervise
+from ._streams import die_of_sigpipe_on_closed_output
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -67,8 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _log_to_stderr()
         # Like other command-line tools, die of SIGPIPE when the reader of our
         # output is gone (a pipe to head); the ranks die with us.
-
-        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+        die_of_sigpipe_on_closed_output()
 
         return anyio.run(supervise, plan, backend="asyncio")
     except KeyboardInterrupt:  # Ctrl-C before the signal handlers were in place
