@@ -136,6 +136,14 @@ def test_the_rank_side_package_imports_the_standard_library_only() -> None:
     assert not foreign, f"the rank side imported {sorted(foreign)}"
 
 
+def test_a_rank_imports_no_typing() -> None:
+    # typing costs a spawn rank about 2 ms, and a NamedTuple compiles each of
+    # its annotations: the rank side uses it for the checker only.
+    loaded = modules_loaded_by("import aiospawn._rank.bootstrap, aiospawn._rank.programs")
+    assert "typing" not in loaded
+    assert "aiospawn._rank.bootstrap" in loaded
+
+
 def test_the_core_imports_no_backend_and_no_rank_bootstrap() -> None:
     core = sorted(
         f"aiospawn._core.{path.stem}"

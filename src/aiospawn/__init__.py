@@ -25,9 +25,12 @@ lazy map are read from it, and each name reports ``__module__ == "aiospawn"``.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
 
+# typing only for the checker: a rank must not import it (about 2 ms a rank).
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from typing import Any
+
     from ._api import GroupOptions as GroupOptions
     from ._api import open_group as open_group
     from ._api import spawn as spawn

@@ -54,7 +54,6 @@ from ._output import RankOutput, close_log_dirs, open_log_dirs
 from ._pipes import rank_pipe
 from ._progress import RankProgress
 from ._rank import LocalRank
-from ._template import WarmProcess
 
 if TYPE_CHECKING:
     from aiospawn._core._backend import GroupLauncher, RankHandle
@@ -144,6 +143,9 @@ class LocalLauncher:
             by_value = spec.fn_by_value or interactive_main()
             fn: Any = _SendPayload(spec) if by_value else spec.fn
             args = () if by_value else spec.args
+            # Imported here: a group without preload= never needs it.
+            from ._template import WarmProcess
+
             process = WarmProcess(
                 spec.preload, fn, index, args, writer, setup, name=name, daemon=spec.daemon
             )

@@ -95,8 +95,7 @@ import signal
 import stat
 import sys
 import time
-from collections.abc import Callable, Coroutine, Mapping
-from typing import Any, NamedTuple, NoReturn
+from collections.abc import Coroutine
 
 from . import api, descendants
 from .channel import finish as finish_channel
@@ -113,6 +112,12 @@ from .wire import (
     from_fn,
     header,
 )
+
+# typing only for the checker: a rank must not import it (about 2 ms a rank).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
+    from typing import Any, NoReturn
 
 
 class _EarlyEnvironment(str):
@@ -206,8 +211,11 @@ def unpickle_in_rank(data: bytes) -> Payload:
     return Payload(data, None)
 
 
-class RankSetup(NamedTuple):
-    """What the supervisor tells a rank about its surroundings.
+class RankSetup:
+    """What the supervisor tells a rank about its surroundings (pickled to it under ``spawn``).
+
+    A plain class, not a ``NamedTuple``: building a named tuple's class imports
+    ``typing`` and compiles each annotation, which every ``spawn`` rank paid.
 
     Attributes:
         supervisor_pid: The supervising process, whose death kills this rank.
@@ -231,18 +239,53 @@ class RankSetup(NamedTuple):
             ``"trio"`` or ``"uvloop"``.
     """
 
-    supervisor_pid: int
-    supervisor_is_parent: bool
-    env: dict[str, str] | None = None
-    stdout: ChildEnd | str | None = None
-    stderr: ChildEnd | str | None = None
-    restart: int = 0
-    heartbeat: ChildEnd | None = None
-    stacks: ChildEnd | None = None
-    start_method: str = "spawn"
-    inherited: Mapping[int, tuple[int, int]] | None = None
-    channel: ChildEnd | None = None
-    loop: str = "asyncio"
+    __slots__ = (
+        "channel",
+        "env",
+        "heartbeat",
+        "inherited",
+        "loop",
+        "restart",
+        "stacks",
+        "start_method",
+        "stderr",
+        "stdout",
+        "supervisor_is_parent",
+        "supervisor_pid",
+    )
+
+    def __init__(
+        self,
+        *,
+        supervisor_pid: int,
+        supervisor_is_parent: bool,
+        env: dict[str, str] | None = None,
+        stdout: ChildEnd | str | None = None,
+        stderr: ChildEnd | str | None = None,
+        restart: int = 0,
+        heartbeat: ChildEnd | None = None,
+        stacks: ChildEnd | None = None,
+        start_method: str = "spawn",
+        inherited: Mapping[int, tuple[int, int]] | None = None,
+        channel: ChildEnd | None = None,
+        loop: str = "asyncio",
+    ) -> None:
+        self.supervisor_pid = supervisor_pid
+        self.supervisor_is_parent = supervisor_is_parent
+        self.env = env
+        self.stdout = stdout
+        self.stderr = stderr
+        self.restart = restart
+        self.heartbeat = heartbeat
+        self.stacks = stacks
+        self.start_method = start_method
+        self.inherited = inherited
+        self.channel = channel
+        self.loop = loop
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self.__slots__)
+        return f"RankSetup({fields})"
 
 
 #: A rank's own descriptors are moved to this number or above.

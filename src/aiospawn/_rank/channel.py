@@ -36,10 +36,14 @@ import os
 import pickle
 import select
 import time
-from collections.abc import AsyncIterator, Iterator
-from typing import Any
 
 from .wire import CALL_ID, FrameQueue, FrameReader, Link, encode_exception, from_fn
+
+# typing only for the checker: a rank must not import it (about 2 ms a rank).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Iterator
+    from typing import Any
 
 _READ_CHUNK = 256 * 1024
 
