@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import importlib
 
-# typing only for the checker: a rank must not import it (about 2 ms a rank).
+# For the checker only: a rank, which imports this package, never imports typing.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any

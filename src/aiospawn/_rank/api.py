@@ -15,7 +15,7 @@ import time
 from .channel import AsyncChannel, Channel, _Frames, encode
 from .wire import Link
 
-# typing only for the checker: a rank must not import it (about 2 ms a rank).
+# For the checker only: a rank never imports typing (the package's import rule).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any

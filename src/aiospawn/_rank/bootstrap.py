@@ -113,7 +113,7 @@ from .wire import (
     header,
 )
 
-# typing only for the checker: a rank must not import it (about 2 ms a rank).
+# For the checker only: a rank never imports typing (the package's import rule).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping

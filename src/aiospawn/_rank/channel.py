@@ -39,7 +39,7 @@ import time
 
 from .wire import CALL_ID, FrameQueue, FrameReader, Link, encode_exception, from_fn
 
-# typing only for the checker: a rank must not import it (about 2 ms a rank).
+# For the checker only: a rank never imports typing (the package's import rule).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Iterator
