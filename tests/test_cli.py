@@ -501,6 +501,56 @@ def test_only_the_launchers_own_output_can_kill_it_with_sigpipe(
     assert launcher.finish()[0] == 143
 
 
+STREAM_SHAPE = """
+import io, json, sys
+from aiospawn._cli._streams import die_of_sigpipe_on_closed_output
+
+def shape():
+    return [
+        [isinstance(s.buffer, io.BufferedWriter), s.write_through, s.line_buffering]
+        for s in (sys.stdout, sys.stderr)
+    ]
+
+before = shape()
+die_of_sigpipe_on_closed_output()
+print(json.dumps([before, shape()]))  # not flushed: unbuffered or not, as before
+sys.stdin.readline()
+"""
+
+
+@pytest.mark.parametrize("unbuffered", [True, False], ids=["PYTHONUNBUFFERED", "buffered"])
+def test_the_launchers_own_streams_keep_their_buffering(unbuffered: bool) -> None:
+    # The launcher's stdout carries the ranks' lines (Ray prints them there):
+    # a buffer where the interpreter had none would hold them back.
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONUNBUFFERED"}
+    if unbuffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    child = subprocess.Popen(
+        [sys.executable, "-c", STREAM_SHAPE],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=env,
+    )
+    assert child.stdin is not None
+    assert child.stdout is not None
+    try:
+        if unbuffered:  # the line arrives while the child still waits
+            readable, _, _ = select.select([child.stdout], [], [], TRIPWIRE)
+            assert readable, "the launcher's unbuffered stdout held a line back"
+            before, after = json.loads(child.stdout.readline())
+        child.stdin.close()
+        assert child.wait(TRIPWIRE) == 0
+        if not unbuffered:
+            before, after = json.loads(child.stdout.read())
+    finally:
+        child.stdout.close()
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert after == before
+    assert before[0][0] is not unbuffered  # stdout: buffered only without the variable
+
+
 def test_a_closed_output_pipe_ends_the_launcher_and_its_ranks(launchers: list[Launcher]) -> None:
     launcher = start(launchers, "run", "-n", "2", program("flood.py"))
     pids = launcher.ready_pids(2)

@@ -60,8 +60,19 @@ def _dying_on_closed_pipe(stream: TextIO) -> TextIO:
     except (AttributeError, OSError, ValueError):  # not a file (replaced, or closed)
         return stream
     stream.flush()
-    return io.TextIOWrapper(
-        io.BufferedWriter(_Fd(fd)),
+    raw = _Fd(fd)
+    # Buffered as the stream it replaces: unbuffered under python -u or
+    # PYTHONUNBUFFERED, else a buffer that the text layer flushes per line
+    # (stderr, a terminal) or not.
+    binary: io.RawIOBase | io.BufferedWriter = (
+        io.BufferedWriter(raw)
+        if isinstance(getattr(stream, "buffer", None), io.BufferedWriter)
+        else raw
+    )
+    # (typeshed wants a buffered stream; CPython's own unbuffered stdout is a
+    # TextIOWrapper straight over its FileIO, as here.)
+    return io.TextIOWrapper(  # type: ignore[type-var]
+        binary,
         encoding=stream.encoding,
         errors=stream.errors,
         line_buffering=bool(stream.line_buffering),
