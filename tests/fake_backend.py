@@ -29,9 +29,8 @@ from aiospawn._core._backend import OnExit, RankHandle, raise_start_error
 from aiospawn._core._capture import CaptureBuffer
 from aiospawn._core._concurrency import Broadcast
 from aiospawn._core._context import AsyncProcessContext
-from aiospawn._core._group import Supervision
 from aiospawn._core._outcome import RankExit
-from aiospawn._core._policy import RestartPolicy
+from aiospawn._core._policy import RestartPolicy, Supervision
 from aiospawn._core._spec import DEFAULT_PREFIX, LaunchSpec, make_output_spec, make_spec
 from aiospawn._rank.wire import Kind, encode_exception
 

@@ -1,4 +1,9 @@
-"""The async entry points: ``start_processes``, ``spawn`` and ``open_group``."""
+"""The async entry points: ``start_processes``, ``spawn`` and ``open_group``.
+
+The supervisor's modules are imported by the first call, not with this module:
+a first ``forkserver`` call starts the fork server as soon as its arguments
+are checked, and imports them while the server starts up (``_local._forkserver``).
+"""
 
 from __future__ import annotations
 
@@ -6,15 +11,24 @@ import os
 import warnings
 from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, Literal, TypedDict, TypeVar, TypeVarTuple, Unpack, overload
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Literal,
+    TypedDict,
+    TypeVar,
+    TypeVarTuple,
+    Unpack,
+    overload,
+)
 
-from ._core._backend import Backend
-from ._core._context import AsyncProcessContext
-from ._core._group import Supervision
 from ._core._notebook import default_stream_mode, signals_wake_the_loop
-from ._core._policy import RestartPolicy
-from ._core._spec import DEFAULT_PREFIX, EnvSpec, check_seconds, make_output_spec, make_spec
-from ._local._launcher import LocalBackend
+
+if TYPE_CHECKING:
+    from ._core._backend import Backend
+    from ._core._context import AsyncProcessContext
+    from ._core._policy import RestartPolicy
+    from ._core._spec import EnvSpec
 
 __all__ = ["GroupOptions", "open_group", "spawn", "start_processes"]
 
@@ -184,7 +198,12 @@ async def start_processes(
             the :class:`AsyncProcessContext` at once (False).
         daemon: Start the processes as daemons (they cannot have children).
         start_method: ``"spawn"``, ``"fork"``, ``"forkserver"``, or ``None``
-            for the platform default.
+            for the platform default. Under ``"forkserver"`` the first call
+            starts ``multiprocessing``'s fork server once the arguments are
+            checked (it is shared by every forkserver start of the process
+            and ends with it, as in ``multiprocessing``), so it may be
+            running when a later check, of an output directory or an ``env``
+            callable's result, refuses the group.
         **options: Keyword-only group options (:class:`GroupOptions`):
             ``grace_period``, ``env``, ``torchrun_env``, ``restart``,
             ``heartbeat_timeout``, ``startup_timeout``, ``backend``,
@@ -385,6 +404,9 @@ async def _start_group(
     *,
     refuse_capture: bool = False,
 ) -> AsyncProcessContext[Any]:
+    from ._core._policy import RestartPolicy, Supervision
+    from ._core._spec import DEFAULT_PREFIX, check_seconds, make_output_spec, make_spec
+
     unknown = set(options) - set(GroupOptions.__annotations__)
     if unknown:
         raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(unknown))}")
@@ -399,8 +421,9 @@ async def _start_group(
     check_seconds("startup_timeout", supervision.startup_timeout, positive=True)
     if supervision.restart is not None and not isinstance(supervision.restart, RestartPolicy):
         raise TypeError(f"restart must be an aiospawn.RestartPolicy, got {supervision.restart!r}")
-    backend = options.get("backend") or LocalBackend()
-    if options.get("preload") and not isinstance(backend, LocalBackend):
+    # Other backends are given; they are never local (LocalBackend is private).
+    local = options.get("backend") is None
+    if options.get("preload") and not local:
         raise ValueError("preload= forks local ranks from a template; other backends have none")
     output = make_output_spec(
         options.get("stdout", default_stream_mode()),
@@ -420,11 +443,11 @@ async def _start_group(
         heartbeats=supervision.watches_heartbeats,
         preload=options.get("preload"),
         # Other backends ship fn their own way (Ray: cloudpickle, by value).
-        check_importable=isinstance(backend, LocalBackend),
+        check_importable=local,
         devices_per_rank=options.get("devices_per_rank"),
         devices=options.get("devices"),
         # Elsewhere devices are the node's, which the backend hands out (Ray: num_gpus).
-        local_devices=isinstance(backend, LocalBackend),
+        local_devices=local,
         rank_loop=options.get("rank_loop", "asyncio"),
     )
     if refuse_capture and spec.output.captures:
@@ -435,4 +458,12 @@ async def _start_group(
             " no way to iterate; use `async with aiospawn.open_group(...) as ctx`, or"
             " start_processes(..., join=False), and iterate ctx.output()"
         )
+    if local and spec.start_method == "forkserver" and not spec.preload:
+        from ._local._forkserver import start_early
+
+        start_early()
+    from ._core._context import AsyncProcessContext
+    from ._local._launcher import LocalBackend
+
+    backend = options.get("backend") or LocalBackend()
     return await AsyncProcessContext._start(spec, supervision, backend)

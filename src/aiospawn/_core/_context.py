@@ -18,7 +18,8 @@ from ._backend import Backend
 from ._capture import OutputLine
 from ._channel import RankChannel
 from ._events import Event, GroupStatistics
-from ._group import Group, Supervision
+from ._group import Group
+from ._policy import Supervision
 from ._spec import LaunchSpec, check_seconds
 
 __all__ = ["AsyncProcessContext", "group_of"]

@@ -48,8 +48,7 @@ import itertools
 import math
 import signal
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
 from types import TracebackType
 from typing import Any, Generic, TypeVar
 
@@ -77,7 +76,7 @@ from ._events import (
 from ._hangs import HangWatch, Overdue, Watched
 from ._log import logger
 from ._outcome import Hang, RankExit, decode_results, group_error, rebuild_raised
-from ._policy import RestartPolicy
+from ._policy import Supervision
 from ._restarts import GiveUp, GroupView, PendingRestart, RestartTracker
 from ._shutdown import Shutdown
 from ._spec import LaunchSpec
@@ -86,32 +85,6 @@ T = TypeVar("T")
 
 #: Seconds a hung rank gets to write its stacks before it is stopped anyway.
 STACK_TIMEOUT = 1.0
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Supervision:
-    """How a group is watched: the options beyond what its ranks run.
-
-    Attributes:
-        grace_period: The group's default seconds from SIGTERM to SIGKILL.
-        restart: The restart policy, or None to fail at the first failure.
-        heartbeat_timeout: Seconds a rank may go between heartbeats.
-        startup_timeout: Seconds a rank may take to send its first heartbeat.
-        clock: The monotonic clock that heartbeat timeouts, restart windows
-            and backoffs are measured on; the supervision's unit tests pass a
-            fake one.
-    """
-
-    grace_period: float | None = None
-    restart: RestartPolicy | None = None
-    heartbeat_timeout: float | None = None
-    startup_timeout: float | None = None
-    clock: Callable[[], float] = time.monotonic
-
-    @property
-    def watches_heartbeats(self) -> bool:
-        """True when ranks get heartbeat slots and may be found hung."""
-        return self.heartbeat_timeout is not None or self.startup_timeout is not None
 
 
 class Group(Generic[T]):

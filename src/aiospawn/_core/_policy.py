@@ -1,4 +1,4 @@
-"""Restart policies: when a failed rank (or the whole group) is started again.
+"""Supervision options; restart policies: when a failed rank (or the whole group) starts again.
 
 The model is Erlang/OTP's supervisor: a *strategy* says what restarts
 (``one_for_all``: the whole group; ``one_for_one``: the failed rank alone),
@@ -9,12 +9,16 @@ give up and report the failure instead.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from ._spec import check_seconds
 
-__all__ = ["Backoff", "RestartPolicy", "RestartRecord"]
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+__all__ = ["Backoff", "RestartPolicy", "RestartRecord", "Supervision"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,3 +141,29 @@ def _clock(wall_time: float) -> str:
     return (
         time.strftime("%H:%M:%S", time.localtime(wall_time)) + f".{int(wall_time % 1 * 1000):03d}"
     )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Supervision:
+    """How a group is watched: the options beyond what its ranks run.
+
+    Attributes:
+        grace_period: The group's default seconds from SIGTERM to SIGKILL.
+        restart: The restart policy, or None to fail at the first failure.
+        heartbeat_timeout: Seconds a rank may go between heartbeats.
+        startup_timeout: Seconds a rank may take to send its first heartbeat.
+        clock: The monotonic clock that heartbeat timeouts, restart windows
+            and backoffs are measured on; the supervision's unit tests pass a
+            fake one.
+    """
+
+    grace_period: float | None = None
+    restart: RestartPolicy | None = None
+    heartbeat_timeout: float | None = None
+    startup_timeout: float | None = None
+    clock: Callable[[], float] = time.monotonic
+
+    @property
+    def watches_heartbeats(self) -> bool:
+        """True when ranks get heartbeat slots and may be found hung."""
+        return self.heartbeat_timeout is not None or self.startup_timeout is not None

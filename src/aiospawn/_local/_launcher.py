@@ -25,7 +25,6 @@ template may have to import the preload first), so it runs on a thread.
 from __future__ import annotations
 
 import multiprocessing
-import multiprocessing.forkserver
 import multiprocessing.process
 import os
 import sys
@@ -49,6 +48,7 @@ from aiospawn._rank.bootstrap import (
 from aiospawn._rank.wire import ChildEnd
 
 from . import _pipes
+from ._forkserver import preload_bootstrap
 from ._link import SocketLink, rank_socket
 from ._output import RankOutput, close_log_dirs, open_log_dirs
 from ._pipes import rank_pipe
@@ -83,7 +83,7 @@ class LocalLauncher:
 
     def __init__(self, spec: LaunchSpec, capture: CaptureBuffer | None) -> None:
         if spec.start_method == "forkserver" and not spec.preload:
-            preload_bootstrap_in_forkserver()
+            preload_bootstrap()
         self._spec = spec
         self._capture = capture
         self._master_port: int | None = None
@@ -231,24 +231,6 @@ def _unloadable_main_path() -> str | None:
     if not os.path.isabs(path) and original_dir is not None:
         path = os.path.join(original_dir, path)
     return os.path.normpath(path)
-
-
-#: The module every forkserver rank would otherwise import for itself.
-_BOOTSTRAP = "aiospawn._rank.bootstrap"
-
-
-def preload_bootstrap_in_forkserver() -> None:
-    """Have the fork server, when it starts, import the rank bootstrap once for all ranks.
-
-    Each forkserver rank otherwise imports it (and ``typing``) for itself:
-    8 trivial ranks took 126 ms rather than 69 ms here. The user's own preload
-    list is kept, and nothing changes once the server runs. The list lives in
-    a private attribute (stable since Python 3.4); without it, nothing is done.
-    """
-    server = getattr(multiprocessing.forkserver, "_forkserver", None)
-    modules = getattr(server, "_preload_modules", None)
-    if isinstance(modules, list) and _BOOTSTRAP not in modules:
-        multiprocessing.forkserver.set_forkserver_preload([*modules, _BOOTSTRAP])
 
 
 async def start_ranks(ranks: Sequence[LocalRank], start_method: str) -> None:

@@ -1,0 +1,56 @@
+"""multiprocessing's fork server, as a ``forkserver`` group without ``preload=`` uses it.
+
+Two things make such a group start sooner, neither changing what its ranks
+run:
+
+* the server imports the rank bootstrap once, when it starts, instead of every
+  rank importing it (:func:`preload_bootstrap`);
+* the first ``forkserver`` call starts the server as soon as its arguments
+  are checked, before it imports the supervisor's modules, so that the
+  server's own start-up (a fresh interpreter importing ``multiprocessing``
+  and the bootstrap) runs on another core meanwhile (:func:`start_early`).
+
+The server may thus be running when a later check refuses the group (an
+output directory, an ``env`` callable's result): it is ``multiprocessing``'s,
+shared by every forkserver start of the process, and it ends with the process.
+Light on purpose: this module is imported before the supervisor's modules.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.forkserver
+
+__all__ = ["preload_bootstrap", "start_early"]
+
+#: The module every forkserver rank would otherwise import for itself.
+_BOOTSTRAP = "aiospawn._rank.bootstrap"
+
+
+def preload_bootstrap() -> None:
+    """Have the fork server, when it starts, import the rank bootstrap once for all ranks.
+
+    Each forkserver rank otherwise imports it for itself: 8 trivial ranks took
+    126 ms rather than 69 ms here. The user's own preload list is kept, and
+    nothing changes once the server runs. The list lives in a private
+    attribute (stable since Python 3.4); without it, nothing is done.
+    """
+    server = getattr(multiprocessing.forkserver, "_forkserver", None)
+    modules = getattr(server, "_preload_modules", None)
+    if isinstance(modules, list) and _BOOTSTRAP not in modules:
+        multiprocessing.forkserver.set_forkserver_preload([*modules, _BOOTSTRAP])
+
+
+def start_early() -> None:
+    """Start the fork server now (with the bootstrap preloaded), if it is not running.
+
+    Blocking for a fork and an exec, about as long as one ``fork``; the server
+    then starts up by itself. It is the server every ``forkserver`` start in
+    this process uses anyway, and it ends with this process, as
+    ``multiprocessing`` has it.
+
+    Raises:
+        OSError: The server could not be started (the rank starts would then
+            fail the same way).
+    """
+    preload_bootstrap()
+    multiprocessing.forkserver.ensure_running()
