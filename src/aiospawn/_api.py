@@ -421,7 +421,7 @@ async def _start_group(
     check_seconds("startup_timeout", supervision.startup_timeout, positive=True)
     if supervision.restart is not None and not isinstance(supervision.restart, RestartPolicy):
         raise TypeError(f"restart must be an aiospawn.RestartPolicy, got {supervision.restart!r}")
-    # Other backends are given; they are never local (LocalBackend is private).
+    # A backend given is never the local one: LocalBackend is private.
     local = options.get("backend") is None
     if options.get("preload") and not local:
         raise ValueError("preload= forks local ranks from a template; other backends have none")
