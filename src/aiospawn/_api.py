@@ -22,6 +22,8 @@ from typing import (
     overload,
 )
 
+import anyio.to_thread
+
 from ._core._notebook import default_stream_mode, signals_wake_the_loop
 
 if TYPE_CHECKING:
@@ -461,7 +463,7 @@ async def _start_group(
     if local and spec.start_method == "forkserver" and not spec.preload:
         from ._local._forkserver import start_early
 
-        start_early()
+        await anyio.to_thread.run_sync(start_early)  # it forks, execs and waits for the exec
     from ._core._context import AsyncProcessContext
     from ._local._launcher import LocalBackend
 

@@ -43,10 +43,10 @@ def preload_bootstrap() -> None:
 def start_early() -> None:
     """Start the fork server now (with the bootstrap preloaded), if it is not running.
 
-    Blocking for a fork and an exec, about as long as one ``fork``; the server
-    then starts up by itself. It is the server every ``forkserver`` start in
-    this process uses anyway, and it ends with this process, as
-    ``multiprocessing`` has it.
+    Blocking (a fork, an exec, and a wait for the exec, a few milliseconds):
+    call it from a worker thread. The server then starts up by itself. It is
+    the server every ``forkserver`` start in this process uses anyway, and it
+    ends with this process, as ``multiprocessing`` has it.
 
     Raises:
         OSError: The server could not be started (the rank starts would then
