@@ -96,6 +96,27 @@ def test_the_rank_bootstrap_imports_no_event_loop() -> None:
     }
 
 
+def test_a_trio_supervisor_never_imports_asyncio() -> None:
+    # Importing asyncio took about 15 ms of a trio program's first group: it
+    # has no use for it, in a success or a failure.
+    statement = (
+        "import operator, trio, aiospawn\n"
+        "async def main():\n"
+        "    ranks = await aiospawn.start_processes(operator.neg, nprocs=2, start_method='fork')\n"
+        "    assert ranks == [0, -1], ranks\n"
+        "    try:\n"
+        "        await aiospawn.start_processes(\n"
+        "            operator.truediv, args=(0,), nprocs=2, start_method='fork'\n"
+        "        )\n"
+        "    except aiospawn.ProcessRaisedException as exc:\n"
+        "        assert 'ZeroDivisionError' in str(exc), exc\n"
+        "    else:\n"
+        "        raise AssertionError('a rank divided by zero')\n"
+        "trio.run(main)"
+    )
+    assert imported_after(statement) == {"anyio": True, "asyncio": False, "trio": True}
+
+
 def modules_loaded_by(statement: str) -> set[str]:
     """The modules that ``statement`` loads in a fresh interpreter, beyond its start-up."""
     code = (

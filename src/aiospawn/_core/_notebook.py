@@ -22,6 +22,8 @@ import sys
 import threading
 from collections.abc import Iterator
 
+from ._concurrency import runs_asyncio
+
 
 def under_ipykernel() -> bool:
     """True if this process is an ipykernel kernel whose ``sys.stdout`` a notebook shows."""
@@ -52,7 +54,7 @@ class _Waker:
         self.users += 1
         if self.users > 1:
             return
-        import asyncio  # loaded already: see _runs_asyncio
+        import asyncio  # loaded already: see runs_asyncio
 
         reader, writer = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         previous = signal.set_wakeup_fd(writer, warn_on_full_buffer=False)
@@ -81,17 +83,6 @@ class _Waker:
         os.close(writer)
 
 
-def _runs_asyncio() -> bool:
-    asyncio = sys.modules.get("asyncio")
-    if asyncio is None:
-        return False
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True
-
-
 def _drain(fd: int) -> None:
     with contextlib.suppress(BlockingIOError):
         while os.read(fd, 4096):
@@ -111,7 +102,7 @@ def signals_wake_the_loop() -> Iterator[None]:
     if not (
         under_ipykernel()
         and threading.current_thread() is threading.main_thread()
-        and _runs_asyncio()
+        and runs_asyncio()
     ):
         yield
         return
