@@ -42,16 +42,8 @@ def _pytest_basetemp(tmp_path_factory: pytest.TempPathFactory) -> None:
 def supervisor_pipes() -> set[str]:
     """The pipes (``pipe:[inode]``) that the supervisor holds for its ranks."""
     targets = set()
-    for fd, identity in list(_pipes.held().items()):
-        try:
-            info = os.fstat(fd)
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if (info.st_dev, info.st_ino) != identity:
-            # A number recorded for a loop's wakeup socket that has been closed
-            # since, now holding another file (as the rank checks too).
-            continue
+    for fd in list(_pipes.held()):
+        target = os.readlink(f"/proc/self/fd/{fd}")
         if target.startswith("pipe:"):
             targets.add(target)
     return targets

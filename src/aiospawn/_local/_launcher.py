@@ -28,7 +28,8 @@ import multiprocessing
 import multiprocessing.process
 import os
 import sys
-from collections.abc import Sequence
+from collections import ChainMap
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -48,7 +49,6 @@ from aiospawn._rank.bootstrap import (
 from aiospawn._rank.wire import ChildEnd
 
 from . import _pipes
-from ._forkserver import preload_bootstrap
 from ._link import SocketLink, rank_socket
 from ._output import RankOutput, close_log_dirs, open_log_dirs
 from ._pipes import rank_pipe
@@ -82,8 +82,8 @@ class LocalLauncher:
     """Makes and starts the local ranks of one group (see ``_backend.GroupLauncher``)."""
 
     def __init__(self, spec: LaunchSpec, capture: CaptureBuffer | None) -> None:
-        if spec.start_method == "forkserver" and not spec.preload:
-            preload_bootstrap()
+        # (A forkserver group's server was started, with the bootstrap
+        # preloaded, before the group came here: _forkserver.start_early.)
         self._spec = spec
         self._capture = capture
         self._master_port: int | None = None
@@ -274,8 +274,11 @@ async def start_ranks(ranks: Sequence[LocalRank], start_method: str) -> None:
     raise_start_error(errors, len(ranks))
 
 
-def _fork_table() -> dict[int, tuple[int, int]]:
-    """The table of supervisor descriptors a fork rank drops, with the loop's wakeup sockets.
+def _fork_table() -> Mapping[int, tuple[int, int]]:
+    """The supervisor descriptors a fork rank drops: the live table, and the loop's wakeup sockets.
+
+    The table is live: the fork copies it as it is at that moment, with the
+    descriptors of the ranks started before this one.
 
     A fork rank used to find the event loop's wakeup fd by asking
     ``signal.set_wakeup_fd``; since Python 3.12 asyncio resets it to -1 in
@@ -283,15 +286,18 @@ def _fork_table() -> dict[int, tuple[int, int]]:
     open, whichever loop set it. So the supervisor names the running loop's
     wakeup sockets itself, from the loops' own attributes (read with
     ``getattr``: the architecture page lists them), and the rank drops them by
-    file identity like any other descriptor of ours.
+    file identity like any other descriptor of ours. They are the sockets of
+    the loop this rank is forked on, so they are read here and never recorded
+    in the table (which their loop, not we, would have to clear).
     """
-    _pipes.forget_stale()  # the sockets of loops that have closed since
+    sockets = {}
     for sock in _loop_wakeup_sockets():
         try:
-            _pipes.track(sock.fileno())
+            info = os.fstat(sock.fileno())
         except OSError:  # closed meanwhile
             continue
-    return _pipes.held()
+        sockets[sock.fileno()] = (info.st_dev, info.st_ino)
+    return ChainMap(_pipes.held(), sockets)
 
 
 def _loop_wakeup_sockets() -> list[Any]:

@@ -39,24 +39,6 @@ def close(fd: int) -> None:
     os.close(fd)
 
 
-def forget_stale() -> None:
-    """Drop the entries whose number no longer holds the file recorded (closed elsewhere).
-
-    The event loops' wakeup sockets are recorded for fork ranks, and closed by
-    their loops, not here: without this, their numbers would stay in the table
-    for good, naming whatever file takes the number next.
-    """
-    for fd, identity in list(_held.items()):
-        try:
-            info = os.fstat(fd)
-        except OSError:
-            info = None
-        # Only the entry seen: a start thread may have recorded a new file
-        # under that number meanwhile.
-        if (info is None or (info.st_dev, info.st_ino) != identity) and _held.get(fd) == identity:
-            _held.pop(fd, None)
-
-
 def forget(fd: int) -> None:
     """Drop ``fd`` from the table, before something else (a socket object) closes it."""
     _held.pop(fd, None)
