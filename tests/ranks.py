@@ -141,6 +141,13 @@ def api_return_rank(rank: int, *ignored: Any) -> int:
     return rank
 
 
+def api_frozen_objects(rank: int) -> int:
+    """How many objects the collector ignores here (``gc.freeze``)."""
+    import gc
+
+    return gc.get_freeze_count()
+
+
 def api_sleep_with(rank: int, *ignored: Any) -> None:
     sleep_forever(rank)
 

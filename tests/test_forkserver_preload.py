@@ -1,4 +1,9 @@
-"""Forkserver ranks find the rank bootstrap imported by the fork server, not by themselves."""
+"""Forkserver ranks find the rank bootstrap imported by the fork server, not by themselves.
+
+The server also freezes its heap once it has imported it, so that a rank's
+collections leave the server's objects (and their pages) alone; the
+supervisor itself never freezes anything.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 PROGRAM = textwrap.dedent(
     """
-    import json, multiprocessing, multiprocessing.forkserver, sys
+    import gc, json, multiprocessing, multiprocessing.forkserver, sys
     import anyio, aiospawn
     from tests import ranks
 
@@ -21,15 +26,23 @@ PROGRAM = textwrap.dedent(
         results = await aiospawn.start_processes(
             ranks.api_return_rank, nprocs=2, start_method="forkserver"
         )
+        frozen = await aiospawn.start_processes(
+            ranks.api_frozen_objects, nprocs=2, start_method="forkserver"
+        )
         preload = multiprocessing.forkserver._forkserver._preload_modules
-        print(json.dumps({"results": results, "preload": preload}))
+        print(json.dumps({
+            "results": results,
+            "preload": preload,
+            "frozen in ranks": frozen,
+            "frozen here": gc.get_freeze_count(),
+        }))
 
     anyio.run(main)
     """
 )
 
 
-def test_the_fork_server_preloads_the_bootstrap_and_keeps_the_users_list() -> None:
+def test_the_fork_server_preloads_the_bootstrap_freezes_and_keeps_the_users_list() -> None:
     # A fresh supervisor: the test process's own fork server already runs.
     completed = subprocess.run(
         [sys.executable, "-c", PROGRAM], cwd=ROOT, capture_output=True, text=True, timeout=60
@@ -37,4 +50,7 @@ def test_the_fork_server_preloads_the_bootstrap_and_keeps_the_users_list() -> No
     assert completed.returncode == 0, completed.stderr
     shown = json.loads(completed.stdout)
     assert shown["results"] == [0, 1]
-    assert shown["preload"] == ["__main__", "json", "aiospawn._rank.bootstrap"]
+    assert shown["preload"] == ["__main__", "json", "aiospawn._rank.forkserver"]
+    # The server's objects (the bootstrap and json among them, thousands) are frozen.
+    assert all(count > 1000 for count in shown["frozen in ranks"]), shown
+    assert shown["frozen here"] == 0

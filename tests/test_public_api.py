@@ -135,7 +135,7 @@ def modules_loaded_by(statement: str) -> set[str]:
 def test_the_rank_side_package_imports_the_standard_library_only() -> None:
     loaded = modules_loaded_by(
         "import aiospawn._rank.bootstrap, aiospawn._rank.api, aiospawn._rank.wire,"
-        " aiospawn._rank.programs, aiospawn._rank.template"
+        " aiospawn._rank.programs, aiospawn._rank.template, aiospawn._rank.forkserver"
     )
     ours = {name for name in loaded if name.split(".")[0] == "aiospawn"}
     assert ours == {
@@ -145,6 +145,7 @@ def test_the_rank_side_package_imports_the_standard_library_only() -> None:
         "aiospawn._rank.bootstrap",
         "aiospawn._rank.channel",
         "aiospawn._rank.descendants",
+        "aiospawn._rank.forkserver",
         "aiospawn._rank.programs",
         "aiospawn._rank.template",
         "aiospawn._rank.wire",

@@ -24,4 +24,6 @@ these rules in a clean interpreter.
   signal them too).
 - ``template``: a warm-start template's own loop (``preload=``): it imports
   the preload once, then forks ranks that run the same bootstrap.
+- ``forkserver``: what ``multiprocessing``'s fork server imports for a
+  ``forkserver`` group: the bootstrap, then its heap frozen.
 """

@@ -1,0 +1,18 @@
+"""What ``multiprocessing``'s fork server imports for aiospawn, once, before it forks ranks.
+
+The rank bootstrap, so that no ``forkserver`` rank imports it again; then the
+server's heap is frozen (``gc.freeze``), as a warm template's is: what the
+server imported is never freed, and a rank's collections would otherwise
+walk those objects, which writes to every page that holds one, so each rank
+copied pages it could have shared. Imported by the fork server alone (see
+``aiospawn._local._forkserver``): freezing is for a process that forks.
+"""
+
+from __future__ import annotations
+
+import gc
+
+from . import bootstrap as bootstrap
+
+gc.collect()
+gc.freeze()
