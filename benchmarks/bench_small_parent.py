@@ -4,13 +4,16 @@ The ``startup`` scenario measures a long-running harness whose parent has
 imported torch and whose event loop, thread pools and fork server are warm;
 that hides part of what a small program pays. Here each trial is a fresh
 interpreter running ``python -c PROGRAM`` (the program is below), which starts
-8 ranks that return a value, waits for the values, then does the same again:
+8 ranks that return a value and waits for the values, :data:`GROUPS` times
+over:
 
 * "first group": the first call in the process, so it includes what the call
   imports (aiospawn's supervisor modules; ``import aiospawn`` itself only
   loads the facade), anyio's worker threads and, under ``forkserver``, the
   fork server's start;
-* "later group": the second call, in the same process.
+* "later group": the second call, in the same process;
+* "groups 11-20": the median of the 11th to the 20th call, what a
+  long-lived supervisor (a service that restarts its ranks) pays.
 
 Peers, the same program but for the group itself:
 
@@ -20,11 +23,15 @@ Peers, the same program but for the group itself:
 * ``multiprocessing``: 8 ``Process`` objects, each with a one-way ``Pipe``
   for its value (``workloads.send_rank``), started one after the other, the
   values received, each joined; ``import multiprocessing`` comes before the clock.
+* ``multiprocessing, async parent``: the same group, in a parent shaped like
+  aiospawn's: ``import anyio, aiospawn`` first, and the groups run inside
+  ``anyio.run`` (blocking the loop, which has nothing else to do). Not a
+  target: it tells what the parent's event loop costs, apart from our code.
 
 The clock is ``time.perf_counter()`` in the small parent, from just before the
 call (or the first ``Process``) to the values in hand and every rank reaped.
 Targets (checked in ``report.py``): a later group within 1.2x of
-multiprocessing under each start method, the first group within 1.5x.
+``multiprocessing`` under each start method, the first group within 1.5x.
 """
 
 from __future__ import annotations
@@ -39,18 +46,21 @@ from harness import Measure, Peer, ScenarioResult, alternate
 
 NPROCS = 8
 START_METHODS = ("spawn", "forkserver", "fork")
+#: Groups each small parent starts, one after the other.
+GROUPS = 20
 
-#: The small parent. argv: peer, start method, number of ranks, anyio backend.
+#: The small parent. argv: peer, start method, number of ranks, anyio backend, groups.
 PROGRAM = """
-import sys, time
+import statistics, sys, time
 import workloads
 peer, method, nprocs, backend = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+count = int(sys.argv[5])
 times = []
 if peer == "aiospawn":
     import anyio, aiospawn
 
     async def main():
-        for _ in range(2):
+        for _ in range(count):
             began = time.perf_counter()
             values = await aiospawn.start_processes(
                 workloads.return_rank, nprocs=nprocs, start_method=method
@@ -63,7 +73,12 @@ else:
     import multiprocessing
 
     context = multiprocessing.get_context(method)
-    for _ in range(2):
+
+    def groups():
+        for _ in range(count):
+            group()
+
+    def group():
         began = time.perf_counter()
         pipes = [context.Pipe(duplex=False) for _ in range(nprocs)]
         processes = [
@@ -81,7 +96,17 @@ else:
             reader.close()
         times.append(time.perf_counter() - began)
         assert values == list(range(nprocs)), values
-print(times[0] * 1000, times[1] * 1000)
+
+    if peer == "multiprocessing-async":
+        import anyio, aiospawn
+
+        async def main():
+            groups()
+
+        anyio.run(main, backend=backend)
+    else:
+        groups()
+print(times[0] * 1000, times[1] * 1000, statistics.median(times[10:20]) * 1000)
 """
 
 
@@ -90,7 +115,7 @@ def _small_parent(peer: str, method: str, backend: str) -> Measure:
     here = os.path.dirname(os.path.abspath(__file__))
     path = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
     completed = subprocess.run(
-        [sys.executable, "-c", PROGRAM, peer, method, str(NPROCS), backend],
+        [sys.executable, "-c", PROGRAM, peer, method, str(NPROCS), backend, str(GROUPS)],
         cwd=here,
         env={**os.environ, "PYTHONPATH": path},
         capture_output=True,
@@ -100,8 +125,12 @@ def _small_parent(peer: str, method: str, backend: str) -> Measure:
     )
     if completed.returncode != 0:
         raise RuntimeError(f"the small parent ({peer}, {method}) failed:\n{completed.stderr}")
-    first, later = (float(word) for word in completed.stdout.split())
-    return {"first group [ms]": first, "later group [ms]": later}
+    first, later, long_lived = (float(word) for word in completed.stdout.split())
+    return {
+        "first group [ms]": first,
+        "later group [ms]": later,
+        "groups 11-20 [ms]": long_lived,
+    }
 
 
 def _backend() -> str:
@@ -119,12 +148,16 @@ async def small_parent(result: ScenarioResult, quick: bool) -> None:
     trials = 5 if quick else 21
     result.note(
         f"Each trial is a fresh `python -c` supervisor that starts {NPROCS} ranks returning a"
-        " value, twice: 'first group' is the first call in the process (what it imports, the"
-        " worker threads, under forkserver the fork server's start), 'later group' the second."
+        f" value, {GROUPS} times: 'first group' is the first call in the process (what it"
+        " imports, the worker threads, under forkserver the fork server's start), 'later"
+        " group' the second, 'groups 11-20' the median of the 11th to the 20th (a long-lived"
+        " supervisor)."
         " aiospawn: `await aiospawn.start_processes(fn, nprocs=8, start_method=m)` in"
         f" `anyio.run` ({backend}); multiprocessing: 8 `Process` with a one-way `Pipe` each,"
-        " started one after the other, values received, joined. Imports of anyio, aiospawn"
-        " (its facade) and multiprocessing come before the clock."
+        " started one after the other, values received, joined; 'multiprocessing, async parent':"
+        " the same, inside `anyio.run` after `import anyio, aiospawn` (what the parent alone"
+        " costs; not a target). Imports of anyio, aiospawn (its facade) and multiprocessing"
+        " come before the clock."
     )
     for method in START_METHODS:
         load = ", ".join(f"{value:.2f}" for value in os.getloadavg())
@@ -137,6 +170,11 @@ async def small_parent(result: ScenarioResult, quick: bool) -> None:
                 Peer(
                     "multiprocessing",
                     partial(_small_parent, "multiprocessing", method, backend),
+                    trials,
+                ),
+                Peer(
+                    "multiprocessing, async parent",
+                    partial(_small_parent, "multiprocessing-async", method, backend),
                     trials,
                 ),
             ],
