@@ -166,6 +166,19 @@ def test_a_rank_imports_no_typing() -> None:
     assert "aiospawn._rank.bootstrap" in loaded
 
 
+def test_only_a_group_that_watches_heartbeats_loads_the_hang_watch() -> None:
+    # Its dataclasses took 3-4 ms of every first call.
+    run = (
+        "import operator, anyio, aiospawn\n"
+        "ranks = anyio.run(lambda: aiospawn.start_processes(\n"
+        "    operator.neg, nprocs=2, start_method='fork'{options}))\n"
+        "assert ranks == [0, -1], ranks"
+    )
+    assert "aiospawn._core._hangs" not in modules_loaded_by(run.format(options=""))
+    watching = modules_loaded_by(run.format(options=", heartbeat_timeout=60"))
+    assert "aiospawn._core._hangs" in watching
+
+
 def test_the_core_imports_no_backend_and_no_rank_bootstrap() -> None:
     core = sorted(
         f"aiospawn._core.{path.stem}"

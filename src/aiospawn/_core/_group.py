@@ -50,7 +50,7 @@ import signal
 import time
 from collections.abc import Iterable, Sequence
 from types import TracebackType
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import anyio
 import anyio.abc
@@ -73,13 +73,16 @@ from ._events import (
     Stopped,
     Terminating,
 )
-from ._hangs import HangWatch, Overdue, Watched
 from ._log import logger
 from ._outcome import Hang, RankExit, decode_results, group_error, rebuild_raised
 from ._policy import Supervision
 from ._restarts import GiveUp, GroupView, PendingRestart, RestartTracker
 from ._shutdown import Shutdown
 from ._spec import LaunchSpec
+
+if TYPE_CHECKING:
+    # Imported by the groups that watch heartbeats, when they are made.
+    from ._hangs import HangWatch, Overdue, Watched
 
 T = TypeVar("T")
 
@@ -103,14 +106,16 @@ class Group(Generic[T]):
         self._launcher = launcher
         self._supervision = supervision
         self._clock = supervision.clock
-        self._hangs = (
-            HangWatch(
+        self._hangs: HangWatch | None = None
+        if supervision.watches_heartbeats:
+            # Here, not at the top: most groups watch no heartbeats, and the
+            # module's four dataclasses took 3-4 ms of the first call.
+            from ._hangs import HangWatch
+
+            self._hangs = HangWatch(
                 heartbeat_timeout=supervision.heartbeat_timeout,
                 startup_timeout=supervision.startup_timeout,
             )
-            if supervision.watches_heartbeats
-            else None
-        )
         self._tracker = RestartTracker(supervision.restart)
         self._restarts = [0] * spec.nprocs  # per slot: the current attempt's number
         self._channels: dict[RankHandle, Conversation] = {}  # per attempt, with a link
@@ -745,6 +750,8 @@ class Group(Generic[T]):
 
     def _watched(self) -> list[Watched]:
         """The running ranks, for the hang watch."""
+        from ._hangs import Watched  # loaded with the hang watch
+
         restarting = self._tracker.pending_slots()
         watched = []
         for rank in self._ranks:
