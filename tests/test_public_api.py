@@ -15,6 +15,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
+
+@pytest.fixture(scope="module", autouse=True)
+def _pytest_basetemp(tmp_path_factory: pytest.TempPathFactory) -> None:
+    # Made before the leak check's first baseline: not a leak of the first test.
+    tmp_path_factory.getbasetemp()
+
 PUBLIC_MODULES = ["aiospawn", "aiospawn.sync", "aiospawn.ray"]
 
 
@@ -166,17 +172,34 @@ def test_a_rank_imports_no_typing() -> None:
     assert "aiospawn._rank.bootstrap" in loaded
 
 
+def loaded_by_a_first_group(options: str = "") -> set[str]:
+    """The modules a first ``fork`` group (with ``options``) loads, beyond anyio and the facade."""
+    code = (
+        "import json, operator, sys, anyio, aiospawn\n"
+        "before = set(sys.modules)\n"
+        "ranks = anyio.run(lambda: aiospawn.start_processes(\n"
+        f"    operator.neg, nprocs=2, start_method='fork'{options}))\n"
+        "assert ranks == [0, -1], ranks\n"
+        "print(json.dumps(sorted(set(sys.modules) - before)))\n"
+    )
+    completed = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert completed.returncode == 0, completed.stderr
+    return set(json.loads(completed.stdout))
+
+
 def test_only_a_group_that_watches_heartbeats_loads_the_hang_watch() -> None:
     # Its dataclasses took 3-4 ms of every first call.
-    run = (
-        "import operator, anyio, aiospawn\n"
-        "ranks = anyio.run(lambda: aiospawn.start_processes(\n"
-        "    operator.neg, nprocs=2, start_method='fork'{options}))\n"
-        "assert ranks == [0, -1], ranks"
-    )
-    assert "aiospawn._core._hangs" not in modules_loaded_by(run.format(options=""))
-    watching = modules_loaded_by(run.format(options=", heartbeat_timeout=60"))
-    assert "aiospawn._core._hangs" in watching
+    assert "aiospawn._core._hangs" not in loaded_by_a_first_group()
+    assert "aiospawn._core._hangs" in loaded_by_a_first_group(", heartbeat_timeout=60")
+
+
+def test_only_a_group_that_writes_to_a_directory_imports_pathlib(tmp_path: Path) -> None:
+    # pathlib took about 5 ms of every first call.
+    assert "pathlib" not in loaded_by_a_first_group()
+    assert "pathlib" in loaded_by_a_first_group(f", stdout={str(tmp_path)!r}")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["rank0.stdout", "rank1.stdout"]
 
 
 def test_the_core_imports_no_backend_and_no_rank_bootstrap() -> None:

@@ -38,8 +38,10 @@ import types
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
-from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 START_METHODS = ("spawn", "fork", "forkserver")
 
@@ -73,7 +75,17 @@ DEFAULT_PREFIX = "[rank{rank}]: "
 
 
 #: A stream's mode: one of :data:`MODES`, or a directory path.
-Mode = str | Path
+Mode: TypeAlias = "str | Path"
+
+
+def is_directory(mode: Mode) -> bool:
+    """True if ``mode`` is a directory path (a ``Path``), not one of :data:`MODES`.
+
+    (``pathlib`` is imported only when a directory is given: about 5 ms of a
+    first call otherwise.)
+    """
+    return not isinstance(mode, str)
+
 
 #: What a rank's streams become: ``(modes, teed)``, ``modes`` mapping each
 #: stream to its mode, ``teed`` the streams also copied to the supervisor's.
@@ -110,7 +122,7 @@ class OutputSpec:
         """The modes and teed streams of ``rank``."""
         if self.ranks:
             return self.ranks[rank]
-        teed = {name for name, mode in self.modes.items() if self.tee and isinstance(mode, Path)}
+        teed = {name for name, mode in self.modes.items() if self.tee and is_directory(mode)}
         return dict(self.modes), frozenset(teed)
 
     def for_group(self, nprocs: int) -> OutputSpec:
@@ -130,6 +142,8 @@ def _check_mode(name: str, value: object) -> Mode:
     if isinstance(value, str) and value in MODES:
         return value
     if isinstance(value, str | os.PathLike):
+        from pathlib import Path
+
         return Path(value)
     raise ValueError(
         f"{name} must be one of {', '.join(map(repr, MODES))} or a directory path, got {value!r}"
@@ -156,7 +170,7 @@ def _rank_streams(stdout: object, stderr: object, tee: object, rank: int | None)
         strict = True
     else:
         raise ValueError(f"tee{where} must be a bool or a collection of stream names, got {tee!r}")
-    teed = {name for name in asked if isinstance(modes[name], Path)}
+    teed = {name for name in asked if is_directory(modes[name])}
     if strict and asked and not teed and rank is None:
         raise ValueError("tee=True needs stdout or stderr to be a directory path")
     if rank is not None and asked - teed and not isinstance(tee, bool):
@@ -429,7 +443,7 @@ def fds_per_rank(output: OutputSpec | None = None, heartbeats: bool = False) -> 
     ranks = output.ranks or (output.for_rank(0),)
     return count + max(
         sum(
-            (3 if name in teed else 1) if isinstance(mode, Path) else _STREAM_FDS[mode]
+            _STREAM_FDS[mode] if isinstance(mode, str) else (3 if name in teed else 1)
             for name, mode in modes.items()
         )
         for modes, teed in ranks

@@ -44,18 +44,20 @@ import stat
 import sys
 import termios
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import anyio
 
 from aiospawn._core._capture import CaptureBuffer, OutputLine
 from aiospawn._core._log import logger
-from aiospawn._core._spec import STREAMS, OutputSpec
+from aiospawn._core._spec import STREAMS, Mode, OutputSpec
 from aiospawn._rank.wire import ChildEnd
 
 from . import _pipes
 from ._pipes import close_watched, rank_pipe
+
+if TYPE_CHECKING:
+    from pathlib import Path  # a directory mode; only those import pathlib
 
 #: Longer lines are split into pieces of this many bytes, never dropped.
 MAX_LINE = 64 * 1024
@@ -235,13 +237,13 @@ class RankOutput:
     def _plumb(
         self,
         name: str,
-        mode: str | Path,
+        mode: Mode,
         teed: bool,
         capture: CaptureBuffer | None,
         log_dirs: Mapping[Path, int],
     ) -> None:
         log = None
-        if isinstance(mode, Path):
+        if not isinstance(mode, str):  # a directory
             log = (mode, log_dirs[mode], f"rank{self._rank}.{name}")
         if mode == "inherit":
             self.targets[name] = None
@@ -357,7 +359,7 @@ def open_log_dirs(spec: OutputSpec) -> dict[Path, int]:
     try:
         for modes, _ in spec.ranks or (spec.for_rank(0),):
             for mode in modes.values():
-                if isinstance(mode, Path) and mode not in dirs:
+                if not isinstance(mode, str) and mode not in dirs:  # a directory
                     dirs[mode] = open_log_dir(mode)
     except BaseException:
         close_log_dirs(dirs)
@@ -418,10 +420,10 @@ def _make_dirs(path: Path) -> None:
     # Path.mkdir(parents=True) gives the parents the default mode (0755 under
     # the usual umask), not the one asked for.
     missing = []
-    current = Path(os.path.abspath(path))
-    while not os.path.lexists(current) and current != current.parent:
+    current = os.path.abspath(path)
+    while not os.path.lexists(current) and current != os.path.dirname(current):
         missing.append(current)
-        current = current.parent
+        current = os.path.dirname(current)
     for directory in reversed(missing):
         with contextlib.suppress(FileExistsError):  # made meanwhile; checked once opened
             os.mkdir(directory, 0o700)
@@ -439,7 +441,7 @@ def open_log(directory: Path, dir_fd: int, name: str) -> int:
             to another user, or has other hard links.
         OSError: It cannot be opened.
     """
-    path = str(directory / name)
+    path = os.path.join(directory, name)
     # O_NONBLOCK: a FIFO planted there must not block us until it has a reader.
     flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
