@@ -35,8 +35,9 @@ def preload_bootstrap() -> None:
     (``aiospawn._rank.forkserver``): unfrozen, once a supervisor had started
     about 10 groups, each rank's start took 9.5 ms of CPU rather than 6, its
     collections walking (and copying) the server's pages. The user's own
-    preload list is kept, and nothing changes once the server runs. The list lives in a private
-    attribute (stable since Python 3.4); without it, nothing is done.
+    preload list is kept, and nothing changes once the server runs. The list
+    lives in a private attribute (stable since Python 3.4); without it,
+    nothing is done.
     """
     server = getattr(multiprocessing.forkserver, "_forkserver", None)
     modules = getattr(server, "_preload_modules", None)
