@@ -21,6 +21,7 @@ def _pytest_basetemp(tmp_path_factory: pytest.TempPathFactory) -> None:
     # Made before the leak check's first baseline: not a leak of the first test.
     tmp_path_factory.getbasetemp()
 
+
 PUBLIC_MODULES = ["aiospawn", "aiospawn.sync", "aiospawn.ray"]
 
 
