@@ -21,6 +21,9 @@ PROGRAM = textwrap.dedent(
     import anyio, aiospawn
     from tests import ranks
 
+    # What the interpreter froze itself (375 objects on 3.12.1, none on 3.11).
+    frozen_at_start = gc.get_freeze_count()
+
     async def main():
         multiprocessing.set_forkserver_preload(["__main__", "json"])
         results = await aiospawn.start_processes(
@@ -34,6 +37,7 @@ PROGRAM = textwrap.dedent(
             "results": results,
             "preload": preload,
             "frozen in ranks": frozen,
+            "frozen at start": frozen_at_start,
             "frozen here": gc.get_freeze_count(),
         }))
 
@@ -52,5 +56,5 @@ def test_the_fork_server_preloads_the_bootstrap_freezes_and_keeps_the_users_list
     assert shown["results"] == [0, 1]
     assert shown["preload"] == ["__main__", "json", "aiospawn._rank.forkserver"]
     # The server's objects (the bootstrap and json among them, thousands) are frozen.
-    assert all(count > 1000 for count in shown["frozen in ranks"]), shown
-    assert shown["frozen here"] == 0
+    assert all(count > shown["frozen at start"] + 1000 for count in shown["frozen in ranks"]), shown
+    assert shown["frozen here"] == shown["frozen at start"]
