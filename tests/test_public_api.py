@@ -124,10 +124,13 @@ def test_a_trio_supervisor_never_imports_asyncio() -> None:
     assert imported_after(statement) == {"anyio": True, "asyncio": False, "trio": True}
 
 
-def modules_loaded_by(statement: str) -> set[str]:
-    """The modules that ``statement`` loads in a fresh interpreter, beyond its start-up."""
+def modules_loaded_by(statement: str, after: str = "") -> set[str]:
+    """The modules that ``statement`` loads in a fresh interpreter, beyond its start-up.
+
+    ``after``: imports run first, whose modules are not counted.
+    """
     code = (
-        "import json, sys\n"
+        f"import json, sys\n{after}\n"
         "before = set(sys.modules)\n"
         f"{statement}\n"
         "print(json.dumps(sorted(set(sys.modules) - before)))\n"
@@ -175,19 +178,12 @@ def test_a_rank_imports_no_typing() -> None:
 
 def loaded_by_a_first_group(options: str = "") -> set[str]:
     """The modules a first ``fork`` group (with ``options``) loads, beyond anyio and the facade."""
-    code = (
-        "import json, operator, sys, anyio, aiospawn\n"
-        "before = set(sys.modules)\n"
+    return modules_loaded_by(
         "ranks = anyio.run(lambda: aiospawn.start_processes(\n"
         f"    operator.neg, nprocs=2, start_method='fork'{options}))\n"
-        "assert ranks == [0, -1], ranks\n"
-        "print(json.dumps(sorted(set(sys.modules) - before)))\n"
+        "assert ranks == [0, -1], ranks",
+        after="import operator, anyio, aiospawn",
     )
-    completed = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
-    )
-    assert completed.returncode == 0, completed.stderr
-    return set(json.loads(completed.stdout))
 
 
 def test_only_a_group_that_watches_heartbeats_loads_the_hang_watch() -> None:
