@@ -1,20 +1,24 @@
-"""Helpers shared by the tests: the ranks' report pipe, tripwires, and checks on processes and fds.
+"""Helpers shared by the tests: the ranks' report pipe, tripwires, checks on processes and fds.
 
-Fixtures live in ``conftest.py``; everything else the tests share is here.
+Fixtures live in ``conftest.py``; everything else the tests share is here,
+also the send storm that the local and the Ray channel tests both run.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import psutil
 import pytest
+
+if TYPE_CHECKING:
+    from aiospawn import RankChannel
 
 #: ``(reader, writer)``: the test reads the first end, the ranks write to the second.
 Events = tuple[Connection, Connection]
@@ -136,3 +140,37 @@ def wait_until(predicate: object, seconds: float = 5.0) -> bool:
         if time.monotonic() > deadline:
             return False
         time.sleep(0.02)
+
+
+async def send_storm(
+    channel: RankChannel, deadlines: Sequence[float], size: Callable[[int], int]
+) -> tuple[list[int], list[int]]:
+    """Send ``(seq, payload)`` to an echoing rank 0, each under its deadline, then ``("end", b"")``.
+
+    The rank's echoes are read all along (a rank blocked sending them would stop
+    reading), each checked for its rank and size. Each message must arrive
+    whole, once and in order; a cancelled send may or may not have gone.
+
+    Returns:
+        The sequence numbers whose send completed, and those echoed back.
+    """
+    completed: list[int] = []
+    echoed: list[int] = []
+
+    async def read_echoes() -> None:
+        while (message := await channel.receive())[1][0] != "end":
+            rank, (seq, payload) = message
+            assert (rank, len(payload)) == (0, size(seq))
+            echoed.append(seq)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(read_echoes)
+        for seq, deadline in enumerate(deadlines):
+            with anyio.move_on_after(deadline):
+                await channel.send((seq, b"s" * size(seq)))
+                completed.append(seq)
+        await channel.send(("end", b""))
+    assert echoed == sorted(set(echoed))
+    assert set(completed) <= set(echoed)
+    assert completed, "every send was cancelled: the storm tested nothing"
+    return completed, echoed
