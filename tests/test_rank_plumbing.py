@@ -10,20 +10,24 @@ And its guard must still kill it when the supervisor dies.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import anyio
 import psutil
 import pytest
 
 import aiospawn
 from aiospawn._local import _pipes
+from aiospawn._local._launcher import _loop_wakeup_sockets
 from aiospawn._rank.bootstrap import HIGH_FD
 from aiospawn._rank.wire import LOST_CHANNEL_STATUS
-from tests import hostile_ranks
+from tests import hostile_ranks, ranks
 from tests.conftest import wait_until
 from tests.helpers import Events, receive, tripwire
 
@@ -47,6 +51,19 @@ def supervisor_pipes() -> set[str]:
         if target.startswith("pipe:"):
             targets.add(target)
     return targets
+
+
+def loop_sockets(loops: int = 1) -> set[str]:
+    """The running loops' wakeup sockets (``socket:[inode]``): each loop has two."""
+    sockets = _loop_wakeup_sockets()
+    assert len(sockets) == 2 * loops, sockets
+    return {os.readlink(f"/proc/self/fd/{sock.fileno()}") for sock in sockets}
+
+
+def held_by(report: Any) -> set[str]:
+    """What a rank's ``report_holdings`` report says it holds (``socket:[inode]``, ...)."""
+    _kind, _rank, table, _heartbeats = report
+    return {target for target, _mode in table.values()}
 
 
 def wakeup_target() -> str | None:
@@ -74,6 +91,7 @@ async def test_a_rank_holds_its_own_plumbing_and_none_of_its_siblings(
         reports = [await receive(reader, "a rank's holdings") for _ in range(3)]
         ours = supervisor_pipes()
         wakeup = wakeup_target()
+        loop = loop_sockets()
     finally:
         await ctx.terminate(grace_period=5)
     seen: dict[str, int] = {}
@@ -87,6 +105,7 @@ async def test_a_rank_holds_its_own_plumbing_and_none_of_its_siblings(
         assert heartbeats == 1, f"rank {rank} maps {heartbeats} heartbeat slots"
         if wakeup is not None:
             assert wakeup not in targets, f"rank {rank} holds the loop's wakeup fd: {table}"
+        assert not loop & set(targets), f"rank {rank} holds the loop's wakeup sockets: {table}"
         # The pipes shared with the supervisor's rank plumbing: the rank's own
         # write ends (result, stack dumps, stderr), never a read end, never a sibling's.
         shared = {fd: entry for fd, entry in table.items() if entry[0] in ours}
@@ -97,6 +116,69 @@ async def test_a_rank_holds_its_own_plumbing_and_none_of_its_siblings(
         assert len({target for target, _mode in shared.values()}) == 3, shared
         for target, _mode in shared.values():
             assert seen.setdefault(target, rank) == rank, f"ranks {seen[target]}, {rank}: {target}"
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_fork_rank_holds_the_wakeup_sockets_of_no_loop_that_started_ranks(
+    events: Events,
+) -> None:
+    reader, writer = events
+    # This loop starts a fork group; then a loop in another thread starts one.
+    assert await aiospawn.start_processes(ranks.identity, nprocs=1, start_method="fork") == [None]
+    first = loop_sockets()
+
+    async def second_loop() -> tuple[Any, set[str]]:
+        ctx = await aiospawn.start_processes(
+            hostile_ranks.report_holdings, (writer,), nprocs=1, join=False, start_method="fork"
+        )
+        try:
+            return await receive(reader, "a rank's holdings"), loop_sockets()
+        finally:
+            await ctx.terminate(grace_period=5)
+
+    with tripwire(60, "a fork group on a second event loop"):
+        report, second = await anyio.to_thread.run_sync(asyncio.run, second_loop())
+    assert first.isdisjoint(second)
+    assert not (first | second) & held_by(report), held_by(report)
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_trio_guest_on_an_asyncio_loop_supervises_fork_ranks(events: Events) -> None:
+    """trio as this asyncio loop's guest: groups run on trio, ranks hold neither loop's sockets."""
+    import trio
+
+    reader, writer = events
+    host = asyncio.get_running_loop()
+    done: asyncio.Future[Any] = host.create_future()
+
+    async def guest() -> tuple[list[int], aiospawn.ProcessRaisedException, Any, set[str]]:
+        values = await aiospawn.start_processes(
+            ranks.rank_times, (1,), nprocs=2, start_method="fork"
+        )
+        with pytest.raises(aiospawn.ProcessRaisedException) as failed:
+            await aiospawn.start_processes(ranks.raise_in, (1,), nprocs=2, start_method="fork")
+        ctx = await aiospawn.start_processes(
+            hostile_ranks.report_holdings, (writer,), nprocs=1, join=False, start_method="fork"
+        )
+        try:
+            report = await receive(reader, "a rank's holdings")
+        finally:
+            await ctx.terminate(grace_period=5)
+        return values, failed.value, report, loop_sockets(loops=2)
+
+    trio.lowlevel.start_guest_run(
+        guest,
+        run_sync_soon_threadsafe=host.call_soon_threadsafe,
+        done_callback=done.set_result,
+        host_uses_signal_set_wakeup_fd=True,
+    )
+    with tripwire(60, "fork groups in a trio guest run"):
+        values, failure, report, both = (await done).unwrap()
+    assert values == [0, 1]
+    # The other rank was stopped (the shutdown's clean-up runs shielded, the trio way).
+    assert failure.error_index == 1
+    assert "legitimate exception from process 1" in str(failure)
+    assert not both & held_by(report), held_by(report)
 
 
 @pytest.mark.parametrize("start_method", START_METHODS)

@@ -62,11 +62,18 @@ async def run_to_completion(fn: Callable[[], Awaitable[T]]) -> T:
 
 
 def runs_asyncio() -> bool:
-    """True if this thread runs an asyncio loop.
+    """True if the caller runs on an asyncio loop, and not in a trio task.
 
-    asyncio is looked up, not imported: a trio program need not load it for
-    us (it took about 15 ms of a trio program's first group).
+    A trio run may be a guest on an asyncio loop (``trio.lowlevel.start_guest_run``):
+    its tasks run in the loop's callbacks, so asyncio sees a running loop, yet
+    they are trio's, and asyncio primitives would break them.
+
+    Both are looked up, not imported: a trio program need not load asyncio for
+    us (it took about 15 ms of a trio program's first group), nor an asyncio one trio.
     """
+    trio = sys.modules.get("trio")
+    if trio is not None and trio.lowlevel.in_trio_task():
+        return False
     asyncio = sys.modules.get("asyncio")
     if asyncio is None:
         return False

@@ -28,6 +28,8 @@ import multiprocessing
 import multiprocessing.process
 import os
 import sys
+import threading
+import weakref
 from collections import ChainMap
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -274,8 +276,14 @@ async def start_ranks(ranks: Sequence[LocalRank], start_method: str) -> None:
     raise_start_error(errors, len(ranks))
 
 
+#: The wakeup sockets of every event loop that has made a fork rank (see _fork_table).
+_wakeup_sockets: weakref.WeakSet[Any] = weakref.WeakSet()
+#: Loops in other threads make fork ranks too.
+_wakeup_lock = threading.Lock()
+
+
 def _fork_table() -> Mapping[int, tuple[int, int]]:
-    """The supervisor descriptors a fork rank drops: the live table, and the loop's wakeup sockets.
+    """The supervisor descriptors a fork rank drops: the live table, and the loops' wakeup sockets.
 
     The table is live: the fork copies it as it is at that moment, with the
     descriptors of the ranks started before this one.
@@ -283,41 +291,45 @@ def _fork_table() -> Mapping[int, tuple[int, int]]:
     A fork rank used to find the event loop's wakeup fd by asking
     ``signal.set_wakeup_fd``; since Python 3.12 asyncio resets it to -1 in
     every forked child (``asyncio.events.on_fork``) and leaves the socket
-    open, whichever loop set it. So the supervisor names the running loop's
-    wakeup sockets itself, from the loops' own attributes (read with
-    ``getattr``: the architecture page lists them), and the rank drops them by
-    file identity like any other descriptor of ours. They are the sockets of
-    the loop this rank is forked on, so they are read here and never recorded
-    in the table (which their loop, not we, would have to clear).
+    open, whichever loop set it. So the supervisor names the wakeup sockets
+    itself, from the loops' own attributes (read with ``getattr``: the
+    architecture page lists them), and the rank drops them by file identity
+    like any other descriptor of ours. Those of the running loop (two loops
+    under trio's guest mode), and of every other loop that made a fork rank
+    while it is open (a loop in another thread): the socket objects are held
+    weakly and read at each fork, so a loop that closed its sockets (their
+    ``fileno()`` is -1 then) or is gone leaves no stale number behind.
     """
-    sockets = {}
-    for sock in _loop_wakeup_sockets():
-        try:
-            info = os.fstat(sock.fileno())
-        except OSError:  # closed meanwhile
-            continue
-        sockets[sock.fileno()] = (info.st_dev, info.st_ino)
+    with _wakeup_lock:
+        _wakeup_sockets.update(_loop_wakeup_sockets())
+        sockets = {}
+        for sock in list(_wakeup_sockets):
+            try:
+                info = os.fstat(sock.fileno())
+            except OSError:  # closed by its loop: fileno() is -1
+                continue
+            sockets[sock.fileno()] = (info.st_dev, info.st_ino)
     return ChainMap(_pipes.held(), sockets)
 
 
 def _loop_wakeup_sockets() -> list[Any]:
+    """The wakeup sockets of this thread's running loops: trio's, asyncio's, or both."""
+    found = []
     trio = sys.modules.get("trio")
     runner = getattr(
         getattr(getattr(trio, "_core", None), "_run", None), "GLOBAL_RUN_CONTEXT", None
     )
     wakeup = getattr(getattr(getattr(runner, "runner", None), "entry_queue", None), "wakeup", None)
     if wakeup is not None:  # trio's WakeupSocketpair
-        return [sock for sock in (wakeup.wakeup_sock, wakeup.write_sock) if sock.fileno() >= 0]
+        found += [wakeup.wakeup_sock, wakeup.write_sock]
     try:
         loop = _asyncio_running_loop()
     except RuntimeError:
-        return []
-    # The selector loop's self-pipe, whose write end is its signal wakeup fd.
-    return [
-        sock
-        for sock in (getattr(loop, "_ssock", None), getattr(loop, "_csock", None))
-        if sock is not None and sock.fileno() >= 0
-    ]
+        loop = None
+    # The selector loop's self-pipe, whose write end is its signal wakeup fd;
+    # a trio run in guest mode has its asyncio host's too.
+    found += [getattr(loop, "_ssock", None), getattr(loop, "_csock", None)]
+    return [sock for sock in found if sock is not None and sock.fileno() >= 0]
 
 
 def _asyncio_running_loop() -> Any:
