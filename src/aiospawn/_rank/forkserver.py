@@ -5,7 +5,9 @@ server's heap is frozen (``gc.freeze``), as a warm template's is: what the
 server imported is never freed, and a rank's collections would otherwise
 walk those objects, which writes to every page that holds one, so each rank
 copied pages it could have shared. Imported by the fork server alone (see
-``aiospawn._local._forkserver``): freezing is for a process that forks.
+``aiospawn._local._forkserver``), last in its preload list, so the objects of
+the program's own preloaded modules are frozen too: freezing is for a process
+that forks, and importing this module anywhere else would freeze that process.
 """
 
 from __future__ import annotations
