@@ -384,3 +384,64 @@ def test_the_launcher_passes_preload_on() -> None:
     shown = [json.loads(line) for line in completed.stdout.splitlines()]
     assert [line["preloaded"] for line in shown] == [True, True]
     assert len({line["ppid"] for line in shown}) == 1  # one template forked both
+
+
+#: A package of the user's beside their script: ``--preload`` must find it as the rank does.
+USER_PACKAGE = {
+    "mypkg/__init__.py": "",
+    "mypkg/model.py": "import os\n\nIMPORTED_IN = os.getpid()\n",
+    "mypkg/show.py": textwrap.dedent(
+        """
+        import json, os, sys
+        from mypkg import model
+
+        def show(rank=0, *args):
+            print(json.dumps({"importer": model.IMPORTED_IN, "pid": os.getpid()}), flush=True)
+
+        if __name__ == "__main__":
+            show()
+        """
+    ),
+    "train.py": "from mypkg.show import show\n\nshow()\n",
+}
+
+
+@pytest.mark.parametrize(
+    ("target", "from_elsewhere"),
+    [(["train.py"], True), (["-m", "mypkg.show"], False), (["--fn", "mypkg.show:show"], False)],
+    ids=["script", "module", "fn"],
+)
+def test_the_aiospawn_command_preloads_the_targets_own_modules(
+    scratch: Path, target: list[str], from_elsewhere: bool
+) -> None:
+    for name, text in USER_PACKAGE.items():
+        (scratch / name).parent.mkdir(exist_ok=True)
+        (scratch / name).write_text(text)
+    if from_elsewhere:  # a script's imports start from its own directory, wherever we are
+        target = [str(scratch / target[0])]
+    # The console command: its sys.path starts with its own directory, not ours.
+    command = Path(sys.executable).with_name("aiospawn")
+    completed = subprocess.run(
+        [
+            str(command),
+            "run",
+            "-n",
+            "2",
+            "--preload",
+            "mypkg.model",
+            "--stdout",
+            "inherit",
+            *target,
+        ],
+        cwd=ROOT if from_elsewhere else scratch,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stderr
+    shown = [json.loads(line) for line in completed.stdout.splitlines()]
+    assert len(shown) == 2, completed.stdout
+    # Imported once, in the template both ranks were forked from.
+    assert len({line["importer"] for line in shown}) == 1, shown
+    assert all(line["importer"] != line["pid"] for line in shown), shown

@@ -61,6 +61,7 @@ class Plan:
         self.nprocs: int = options.nprocs
         self.start_method: str = options.start_method
         self.preload: list[str] | None = options.preload
+        _search_target_directory(options)
         for name in self.preload or ():
             # As --fn's module is checked: a typo is a usage error, not a failed start.
             try:
@@ -386,6 +387,23 @@ def _cli_spelling(message: str) -> str:
     )
 
 
+def _search_target_directory(options: argparse.Namespace) -> None:
+    """Put first on ``sys.path`` the directory the target's imports start from.
+
+    As the rank will, and as ``python`` does: the current directory for ``-m``
+    and ``--fn``, the script's own for a script (in place of the launcher's
+    own first entry, as ``rank_script`` does it). So the launcher finds the
+    modules the target finds when it checks ``--fn``, ``-m`` and ``--preload``,
+    and so does a warm template, which takes the launcher's ``sys.path`` (run
+    as the ``aiospawn`` command, its first entry is the command's directory).
+    """
+    if options.module or options.fn:
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
+    elif not options.no_python and os.path.exists(options.target):
+        sys.path[0] = os.path.dirname(os.path.abspath(options.target))
+
+
 def _target(
     options: argparse.Namespace, *, absolute: bool
 ) -> tuple[Callable[..., None], tuple[Any, ...], str]:
@@ -398,13 +416,9 @@ def _target(
     target: str = options.target
     args: list[str] = list(options.args)
     if options.module:
-        if os.getcwd() not in sys.path:
-            sys.path.insert(0, os.getcwd())  # as python -m: the current directory first
         _check_module(target)
         return rank_module, (target, args), f"-m {target}"
     if options.fn:
-        if os.getcwd() not in sys.path:
-            sys.path.insert(0, os.getcwd())
         try:
             resolve_function(target)
         except Exception as exc:
