@@ -348,6 +348,28 @@ def test_bad_usage_exits_2_with_one_line_before_starting(args: list[str], tmp_pa
     assert not marker.exists()
 
 
+@pytest.mark.parametrize(
+    ("args", "flags"),
+    [
+        (["-n", "2", "--start-method", "fork"], ["--preload", "--start-method fork"]),
+        (["--ray", "127.0.0.1:1"], ["--preload", "--ray"]),
+    ],
+    ids=["fork", "ray"],
+)
+def test_preload_where_no_template_can_be_is_a_usage_error_in_flag_names(
+    args: list[str], flags: list[str], tmp_path: Path
+) -> None:
+    marker = tmp_path / "ran"
+    result = run("run", "--preload", "json", *args, program("touch.py"), str(marker))
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("aiospawn: error: --preload ")
+    assert all(flag in result.stderr for flag in flags), result.stderr
+    assert "preload=" not in result.stderr
+    assert "start_method=" not in result.stderr
+    assert not marker.exists()
+
+
 def test_max_restarts_zero_is_accepted(tmp_path: Path) -> None:
     marker = tmp_path / "ran"
     result = run("run", "--max-restarts", "0", program("touch.py"), str(marker))

@@ -77,6 +77,13 @@ class Plan:
         self.role: str = options.role
         self.run_id: str = options.run_id or uuid.uuid4().hex
         self.ray: str | None = options.ray
+        if self.preload and self.ray is not None:
+            raise UsageError("--preload forks local ranks from a template; --ray ranks have none")
+        if self.preload and self.start_method == "fork":
+            raise UsageError(
+                "--preload forks ranks from a template; --start-method fork copies the"
+                " launcher instead: use --start-method spawn (or forkserver) with --preload"
+            )
         if options.placement is not None and self.ray is None:
             raise UsageError("--placement is for --ray ADDRESS")
         self.placement: str = options.placement or "PACK"

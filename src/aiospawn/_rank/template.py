@@ -199,9 +199,10 @@ def _preload(modules: tuple[str, ...]) -> tuple[str | None, list[str]]:
 def _unsafe_state() -> str | None:
     python_threads = threading.active_count()
     if python_threads > 1:
-        names = [thread.name for thread in threading.enumerate()]
+        main = threading.main_thread()
+        names = [thread.name for thread in threading.enumerate() if thread is not main]
         return (
-            f"started Python threads ({names}); a process running threads cannot be"
+            f"started Python threads {names}; a process running threads cannot be"
             " forked safely: start the threads in the rank instead, or leave the"
             " module out of preload"
         )
