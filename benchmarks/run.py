@@ -103,6 +103,9 @@ def _worker(name: str, quick: bool, backend: str, json_path: str) -> int:
 
 
 #: What the workers and their ranks import, compiled once before anything is timed.
+#: What the bench extra installs, as imported (each scenario's peers need them).
+_BENCH_EXTRA = ("torch", "matplotlib", "psutil")
+
 _WARM_IMPORTS = (
     "import anyio, psutil, aiospawn._api, aiospawn._rank.bootstrap, aiospawn._cli,"
     " torch.multiprocessing, multiprocessing.forkserver, multiprocessing.popen_spawn_posix,"
@@ -128,6 +131,7 @@ def _worker_env(here: str) -> dict[str, str]:
 
 
 def _orchestrate(names: list[str], quick: bool, backend: str, out: str | None) -> int:
+    import importlib.util
     import json
     import os
     import subprocess
@@ -140,6 +144,14 @@ def _orchestrate(names: list[str], quick: bool, backend: str, out: str | None) -
     here = os.path.dirname(os.path.abspath(__file__))
     prefix = out or os.path.join(here, "results")
     env = _worker_env(here)
+    missing = [name for name in _BENCH_EXTRA if importlib.util.find_spec(name) is None]
+    if missing:
+        print(
+            f"run.py: {', '.join(missing)} not installed: the benchmarks need the bench"
+            " extra (pip install -e '.[bench]', which pins torch==2.13.0)",
+            file=sys.stderr,
+        )
+        return 2
     progress("== warming the bytecode cache (benchmarks/.cache/pycache)")
     subprocess.run([sys.executable, "-c", _WARM_IMPORTS], env=env, check=True)
     mode = "quick" if quick else "full"
