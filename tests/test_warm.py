@@ -17,6 +17,7 @@ import tempfile
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -364,21 +365,20 @@ def test_a_template_stays_single_threaded_and_runs_no_user_code_of_its_own() -> 
 
 
 def test_the_launcher_passes_preload_on() -> None:
+    shown = two_ranks_of_the_launcher(
+        [sys.executable, "-m", "aiospawn"], "decimal,json", ["tests/cli_programs/show_preloaded.py"]
+    )
+    assert [line["preloaded"] for line in shown] == [True, True]
+    assert len({line["ppid"] for line in shown}) == 1  # one template forked both
+
+
+def two_ranks_of_the_launcher(
+    launcher: list[str], preload: str, target: list[str], cwd: Path = ROOT
+) -> list[Any]:
+    """Run ``aiospawn run -n 2 --preload PRELOAD TARGET`` to its end; the JSON line of each rank."""
     completed = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "aiospawn",
-            "run",
-            "-n",
-            "2",
-            "--preload",
-            "decimal,json",
-            "--stdout",
-            "inherit",
-            "tests/cli_programs/show_preloaded.py",
-        ],
-        cwd=ROOT,
+        [*launcher, "run", "-n", "2", "--preload", preload, "--stdout", "inherit", *target],
+        cwd=cwd,
         capture_output=True,
         text=True,
         timeout=60,
@@ -386,8 +386,8 @@ def test_the_launcher_passes_preload_on() -> None:
     )
     assert completed.returncode == 0, completed.stderr
     shown = [json.loads(line) for line in completed.stdout.splitlines()]
-    assert [line["preloaded"] for line in shown] == [True, True]
-    assert len({line["ppid"] for line in shown}) == 1  # one template forked both
+    assert len(shown) == 2, completed.stdout
+    return shown
 
 
 #: A package of the user's beside their script: ``--preload`` must find it as the rank does.
@@ -425,27 +425,9 @@ def test_the_aiospawn_command_preloads_the_targets_own_modules(
         target = [str(scratch / target[0])]
     # The console command: its sys.path starts with its own directory, not ours.
     command = Path(sys.executable).with_name("aiospawn")
-    completed = subprocess.run(
-        [
-            str(command),
-            "run",
-            "-n",
-            "2",
-            "--preload",
-            "mypkg.model",
-            "--stdout",
-            "inherit",
-            *target,
-        ],
-        cwd=ROOT if from_elsewhere else scratch,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
+    shown = two_ranks_of_the_launcher(
+        [str(command)], "mypkg.model", target, cwd=ROOT if from_elsewhere else scratch
     )
-    assert completed.returncode == 0, completed.stderr
-    shown = [json.loads(line) for line in completed.stdout.splitlines()]
-    assert len(shown) == 2, completed.stdout
     # Imported once, in the template both ranks were forked from.
     assert len({line["importer"] for line in shown}) == 1, shown
     assert all(line["importer"] != line["pid"] for line in shown), shown
