@@ -102,10 +102,10 @@ def _worker(name: str, quick: bool, backend: str, json_path: str) -> int:
     return 0
 
 
-#: What the workers and their ranks import, compiled once before anything is timed.
 #: What the bench extra installs, as imported (each scenario's peers need them).
 _BENCH_EXTRA = ("torch", "matplotlib", "psutil")
 
+#: What the workers and their ranks import, compiled once before anything is timed.
 _WARM_IMPORTS = (
     "import anyio, psutil, aiospawn._api, aiospawn._rank.bootstrap, aiospawn._cli,"
     " torch.multiprocessing, multiprocessing.forkserver, multiprocessing.popen_spawn_posix,"
