@@ -400,7 +400,10 @@ USER_PACKAGE = {
         from mypkg import model
 
         def show(rank=0, *args):
-            print(json.dumps({"importer": model.IMPORTED_IN, "pid": os.getpid()}), flush=True)
+            # One write: print() writes the newline apart, and both ranks share stdout.
+            line = json.dumps({"importer": model.IMPORTED_IN, "pid": os.getpid()})
+            sys.stdout.write(line + "\\n")
+            sys.stdout.flush()
 
         if __name__ == "__main__":
             show()
