@@ -6,6 +6,7 @@ Each is called as ``fn(rank, *args)``.
 from __future__ import annotations
 
 import os
+import select
 import signal
 import sys
 import time
@@ -55,6 +56,25 @@ def report_ready(rank: int, ready: Any) -> None:
     """Tell the test this rank is running, then sleep until stopped."""
     ready.put((rank, os.getpid()))
     sleep_forever(rank)
+
+
+def report_ready_until_signalled(rank: int, ready: Any) -> None:
+    """Tell the test this rank is running, then wait until a signal's Python handler raises.
+
+    Not ``time.sleep()``: a signal that lands after the interpreter's last check
+    for signals and before the sleep's system call begins has its handler run
+    only when the sleep ends (seen in CI: SIGINT sent right after this rank's
+    report, no ``KeyboardInterrupt`` for an hour). Python's wakeup fd closes
+    that window: the signal's byte is in the pipe before the wait starts, so
+    the wait returns at once and the handler runs.
+    """
+    wake, woken = os.pipe()
+    os.set_blocking(woken, False)
+    signal.set_wakeup_fd(woken)
+    ready.put((rank, os.getpid()))
+    while True:
+        select.select([wake], [], [])
+        os.read(wake, 4096)
 
 
 # Ranks for test_api, test_context, test_shutdown and test_asyncio_native (prefix api_).
