@@ -64,9 +64,9 @@ def report_ready_until_signalled(rank: int, ready: Any) -> None:
     Not ``time.sleep()``: a signal that lands after the interpreter's last check
     for signals and before the sleep's system call begins has its handler run
     only when the sleep ends (seen in CI: SIGINT sent right after this rank's
-    report, no ``KeyboardInterrupt`` for an hour). Python's wakeup fd closes
-    that window: the signal's byte is in the pipe before the wait starts, so
-    the wait returns at once and the handler runs.
+    report, and no ``KeyboardInterrupt`` before the test's tripwire). Python's
+    wakeup fd closes that window: the signal's byte is in the pipe before the
+    wait starts, so the wait returns at once and the handler runs.
     """
     wake, woken = os.pipe()
     os.set_blocking(woken, False)
