@@ -53,20 +53,16 @@ def ignore_sigterm(rank: int, ready: Any = None) -> None:
 
 
 def report_ready(rank: int, ready: Any) -> None:
-    """Tell the test this rank is running, then sleep until stopped."""
-    ready.put((rank, os.getpid()))
-    sleep_forever(rank)
+    """Tell the test this rank is running, then wait until a signal stops it.
 
-
-def report_ready_until_signalled(rank: int, ready: Any) -> None:
-    """Tell the test this rank is running, then wait until a signal's Python handler raises.
-
-    Not ``time.sleep()``: a signal that lands after the interpreter's last check
-    for signals and before the sleep's system call begins has its handler run
-    only when the sleep ends (seen in CI: SIGINT sent right after this rank's
-    report, and no ``KeyboardInterrupt`` before the test's tripwire). Python's
-    wakeup fd closes that window: the signal's byte is in the pipe before the
-    wait starts, so the wait returns at once and the handler runs.
+    Stopped by a signal's default action (SIGTERM) or by its Python handler
+    raising (SIGINT's ``KeyboardInterrupt``). Not ``time.sleep()``: a signal
+    that lands after the interpreter's last check for signals and before the
+    sleep's system call begins has its handler run only when the sleep ends
+    (seen in CI: SIGINT sent right after the report, and no
+    ``KeyboardInterrupt`` before the test's tripwire). Python's wakeup fd,
+    installed before the report, closes that window: the signal's byte is in
+    the pipe before the wait starts, so the wait returns and the handler runs.
     """
     wake, woken = os.pipe()
     os.set_blocking(woken, False)

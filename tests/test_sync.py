@@ -348,9 +348,7 @@ def test_a_rank_interrupted_by_keyboard_interrupt_is_reported_not_success(how: s
             sync.start_processes(torch_ranks.raise_keyboard_interrupt, nprocs=1)
     else:
         ready = multiprocessing.get_context("spawn").SimpleQueue()
-        ctx = sync.start_processes(
-            ranks.report_ready_until_signalled, (ready,), nprocs=1, join=False
-        )
+        ctx = sync.start_processes(ranks.report_ready, (ready,), nprocs=1, join=False)
         _, pid = ready.get()
         os.kill(pid, signal.SIGINT)
         with pytest.raises(sync.ProcessRaisedException, match="KeyboardInterrupt") as info:
