@@ -22,8 +22,25 @@ def rank_times(rank: int, factor: int) -> int:
 
 
 def sleep_forever(rank: int) -> None:
+    """Wait until a signal stops this rank: its default action, or its handler raising.
+
+    Not ``time.sleep()``: a signal that lands after the interpreter's last
+    check for signals and before the sleep's system call begins has its
+    Python handler run only when the sleep ends (seen in CI: SIGINT sent right
+    after a rank reported ready, and no ``KeyboardInterrupt`` before the
+    test's tripwire). The wait is on Python's wakeup fd instead: a signal
+    after it is installed leaves a byte in the pipe, so the wait returns and
+    the handler runs. The byte written here first sends the loop once round
+    its back edge, where a handler already due (a signal that landed before
+    the fd was installed) runs.
+    """
+    wake, woken = os.pipe()
+    os.set_blocking(woken, False)
+    signal.set_wakeup_fd(woken)
+    os.write(woken, b"\0")
     while True:
-        time.sleep(3600)
+        select.select([wake], [], [])
+        os.read(wake, 4096)
 
 
 def raise_in(rank: int, failing: int) -> None:
@@ -53,24 +70,9 @@ def ignore_sigterm(rank: int, ready: Any = None) -> None:
 
 
 def report_ready(rank: int, ready: Any) -> None:
-    """Tell the test this rank is running, then wait until a signal stops it.
-
-    Stopped by a signal's default action (SIGTERM) or by its Python handler
-    raising (SIGINT's ``KeyboardInterrupt``). Not ``time.sleep()``: a signal
-    that lands after the interpreter's last check for signals and before the
-    sleep's system call begins has its handler run only when the sleep ends
-    (seen in CI: SIGINT sent right after the report, and no
-    ``KeyboardInterrupt`` before the test's tripwire). Python's wakeup fd,
-    installed before the report, closes that window: the signal's byte is in
-    the pipe before the wait starts, so the wait returns and the handler runs.
-    """
-    wake, woken = os.pipe()
-    os.set_blocking(woken, False)
-    signal.set_wakeup_fd(woken)
+    """Tell the test this rank is running, then wait until a signal stops it."""
     ready.put((rank, os.getpid()))
-    while True:
-        select.select([wake], [], [])
-        os.read(wake, 4096)
+    sleep_forever(rank)
 
 
 # Ranks for test_api, test_context, test_shutdown and test_asyncio_native (prefix api_).
