@@ -28,16 +28,32 @@ def sleep_forever(rank: int) -> None:
     check for signals and before the sleep's system call begins has its
     Python handler run only when the sleep ends (seen in CI: SIGINT sent right
     after a rank reported ready, and no ``KeyboardInterrupt`` before the
-    test's tripwire). The wait is on Python's wakeup fd instead: a signal
-    after it is installed leaves a byte in the pipe, so the wait returns and
-    the handler runs. The byte written here first sends the loop once round
-    its back edge, where a handler already due (a signal that landed before
-    the fd was installed) runs.
+    test's tripwire). The wait is on Python's wakeup fd instead (see
+    :func:`wakeup_pipe`).
+    """
+    wait_for_signals(wakeup_pipe())
+
+
+def wakeup_pipe() -> int:
+    """Make a pipe Python's wakeup fd; return its read end, for :func:`wait_for_signals`.
+
+    A signal from then on leaves a byte in the pipe, so the wait returns and
+    the handler runs. The byte written here sends the wait once round its
+    loop's back edge first, where a handler already due runs (a signal that
+    landed before the fd was installed). A rank that reports it is ready and
+    then waits makes the pipe before its report: the signal a test sends on
+    the report then finds it, and what the rank holds is the same whenever
+    the test looks.
     """
     wake, woken = os.pipe()
     os.set_blocking(woken, False)
     signal.set_wakeup_fd(woken)
     os.write(woken, b"\0")
+    return wake
+
+
+def wait_for_signals(wake: int) -> None:
+    """Wait on the read end of :func:`wakeup_pipe` until a signal ends the process."""
     while True:
         select.select([wake], [], [])
         os.read(wake, 4096)
@@ -71,8 +87,9 @@ def ignore_sigterm(rank: int, ready: Any = None) -> None:
 
 def report_ready(rank: int, ready: Any) -> None:
     """Tell the test this rank is running, then wait until a signal stops it."""
+    wake = wakeup_pipe()
     ready.put((rank, os.getpid()))
-    sleep_forever(rank)
+    wait_for_signals(wake)
 
 
 # Ranks for test_api, test_context, test_shutdown and test_asyncio_native (prefix api_).
@@ -100,8 +117,9 @@ def api_record_sigterm(rank: int, events: Any, ignore_sigterm: bool = False) -> 
             os.kill(os.getpid(), signal.SIGTERM)
 
     signal.signal(signal.SIGTERM, on_sigterm)
+    wake = wakeup_pipe()
     events.send(("ready", rank, os.getpid()))
-    sleep_forever(rank)
+    wait_for_signals(wake)
 
 
 def api_fail_on_release(
@@ -328,8 +346,9 @@ def launch_report_ready(rank: int, events: Any) -> None:
 
 def rel_ready_sleep(rank: int, conn: Any) -> None:
     """Send ``("ready", rank, pid)`` on ``conn``, then sleep until stopped."""
+    wake = wakeup_pipe()
     conn.send(("ready", rank, os.getpid()))
-    sleep_forever(rank)
+    wait_for_signals(wake)
 
 
 def rel_notice_term(rank: int, conn: Any) -> None:
@@ -339,8 +358,9 @@ def rel_notice_term(rank: int, conn: Any) -> None:
         conn.send(("term", rank, os.getpid()))
 
     signal.signal(signal.SIGTERM, on_term)
+    wake = wakeup_pipe()
     conn.send(("ready", rank, os.getpid()))
-    sleep_forever(rank)
+    wait_for_signals(wake)
 
 
 def rel_family(rank: int, conn: Any, ignore_term_int: bool) -> None:
