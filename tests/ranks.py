@@ -184,6 +184,11 @@ def api_frozen_objects(rank: int) -> int:
     return gc.get_freeze_count()
 
 
+def api_fork_server(rank: int) -> tuple[int, bool]:
+    """The fork server that forked this rank (its parent); whether it preloaded the bootstrap."""
+    return os.getppid(), "aiospawn._rank.forkserver" in sys.modules
+
+
 def api_sleep_with(rank: int, *ignored: Any) -> None:
     sleep_forever(rank)
 

@@ -58,3 +58,57 @@ def test_the_fork_server_preloads_the_bootstrap_freezes_and_keeps_the_users_list
     # The server's objects (the bootstrap and json among them, thousands) are frozen.
     assert all(count > shown["frozen at start"] + 1000 for count in shown["frozen in ranks"]), shown
     assert shown["frozen here"] == shown["frozen at start"]
+
+
+RESTART_PROGRAM = textwrap.dedent(
+    """
+    import json, os, signal, time
+    import anyio, aiospawn
+    from tests import ranks
+
+    def gone(pid):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"  # dead, not yet reaped
+
+    async def group():
+        return await aiospawn.start_processes(
+            ranks.api_fork_server, nprocs=2, start_method="forkserver"
+        )
+
+    async def main():
+        first = await group()
+        second = await group()
+        os.kill(first[0][0], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while not gone(first[0][0]) and time.monotonic() < deadline:
+            await anyio.sleep(0.01)
+        third = await group()
+        print(json.dumps([first, second, third]))
+
+    anyio.run(main)
+    """
+)
+
+
+def test_a_fork_server_that_died_between_groups_is_started_again_with_the_bootstrap() -> None:
+    # Only the first forkserver call starts the server itself; a later one
+    # relies on multiprocessing starting it again, from the same preload list.
+    completed = subprocess.run(
+        [sys.executable, "-c", RESTART_PROGRAM],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert completed.returncode == 0, completed.stderr
+    first, second, third = json.loads(completed.stdout)
+    servers = [{server for server, _ in group} for group in (first, second, third)]
+    assert len(servers[0]) == 1  # one server, kept
+    assert servers[1] == servers[0]
+    assert len(servers[2]) == 1  # a new one
+    assert servers[2] != servers[0]
+    assert all(preloaded for group in (first, second, third) for _, preloaded in group)

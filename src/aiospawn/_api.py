@@ -461,9 +461,11 @@ async def _start_group(
             " start_processes(..., join=False), and iterate ctx.output()"
         )
     if local and spec.start_method == "forkserver" and not spec.preload:
-        from ._local._forkserver import start_early
+        from ._local import _forkserver
 
-        await anyio.to_thread.run_sync(start_early)  # it forks, execs and waits for the exec
+        if not _forkserver.started_here():
+            # It forks, execs and waits for the exec.
+            await anyio.to_thread.run_sync(_forkserver.start_early)
     from ._core._context import AsyncProcessContext
     from ._local._launcher import LocalBackend
 

@@ -20,11 +20,15 @@ Light on purpose: this module is imported before the supervisor's modules.
 from __future__ import annotations
 
 import multiprocessing.forkserver
+import os
 
-__all__ = ["preload_bootstrap", "start_early"]
+__all__ = ["preload_bootstrap", "start_early", "started_here"]
 
 #: What the server imports for us: the rank bootstrap, then its heap frozen.
 _SERVER_PRELOAD = "aiospawn._rank.forkserver"
+
+#: The process in which :func:`start_early` has started the server (a fork of it has none).
+_started_in: int | None = None
 
 
 def preload_bootstrap() -> None:
@@ -57,5 +61,19 @@ def start_early() -> None:
         OSError: The server could not be started (the rank starts would then
             fail the same way).
     """
+    global _started_in
     preload_bootstrap()
     multiprocessing.forkserver.ensure_running()
+    _started_in = os.getpid()
+
+
+def started_here() -> bool:
+    """True once :func:`start_early` has run in this process: later calls need not.
+
+    Starting early helps only the first call, whose imports the server's
+    start-up overlaps; later, :func:`start_early` would only cost a worker
+    thread's round trip a group. A server that has died since is started
+    again by the next rank start itself (``multiprocessing`` checks at each),
+    from the same preload list.
+    """
+    return _started_in == os.getpid()
