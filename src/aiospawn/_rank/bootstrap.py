@@ -88,6 +88,7 @@ from __future__ import annotations
 import _signal  # type: ignore[import-not-found]  # signal's C half; typeshed has no stub
 import _thread
 import contextlib
+import operator
 import os
 import pickle
 import select
@@ -126,29 +127,46 @@ class _EarlyEnvironment(str):
     Under ``spawn`` and ``forkserver`` the new process unpickles the name
     (with the rest of its preparation data) before it imports the main
     module and ``fn``'s module, so the variables are in place for them. That
-    is also before ``sys.path`` is set up, so the unpickling may only use the
-    standard library: it evaluates one fixed expression over the variables.
+    is also before ``sys.path`` is set up, so the unpickling may only call
+    the standard library: it unpickles as calls of built-ins on ``os`` and
+    ``sys`` (see :class:`_Call`), never as code to compile, which every rank
+    would pay for.
 
-    With ``main``, the expression also gives the rank's ``__main__`` that
-    ``__file__``: multiprocessing then takes the main module as already
-    loaded instead of running it again from a path that is no file (a
-    script read from standard input has ``__file__ == "<stdin>"``, and its
-    ranks died in ``FileNotFoundError`` before our code ran). Such a rank's
-    ``fn`` comes by value, so it needs nothing of that ``__main__``.
+    With ``main``, it also gives the rank's ``__main__`` that ``__file__``:
+    multiprocessing then takes the main module as already loaded instead of
+    running it again from a path that is no file (a script read from
+    standard input has ``__file__ == "<stdin>"``, and its ranks died in
+    ``FileNotFoundError`` before our code ran). Such a rank's ``fn`` comes by
+    value, so it needs nothing of that ``__main__``.
     """
 
     env: dict[str, str]
     main: str | None
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return eval, (_SET_ENVIRONMENT, {"env": self.env, "main": self.main, "name": str(self)})
+        environ = _Call(getattr, _Call(__import__, "os"), "environ")
+        steps: list[Any] = [_Call(operator.methodcaller("update", self.env), environ)]
+        if self.main is not None:
+            modules = _Call(getattr, _Call(__import__, "sys"), "modules")
+            main_module = _Call(operator.getitem, modules, "__main__")
+            steps.append(_Call(setattr, main_module, "__file__", self.main))
+        # The steps are unpickled (so called) in order, then the name is the value.
+        return operator.getitem, ((*steps, str(self)), -1)
 
 
-_SET_ENVIRONMENT = (
-    "__import__('os').environ.update(env)"
-    " or main is not None and setattr(__import__('sys').modules['__main__'], '__file__', main)"
-    " or name"
-)
+class _Call:
+    """Unpickles as ``fn(*args)``, called by the unpickler; an argument may be a ``_Call`` too.
+
+    Only ``fn`` and ``args`` travel: unpickling needs nothing of ours.
+    """
+
+    __slots__ = ("_call",)
+
+    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
+        self._call = (fn, args)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return self._call
 
 
 def early_environment(name: str, env: dict[str, str] | None, main: str | None = None) -> str:
