@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,13 +47,18 @@ PROGRAM = textwrap.dedent(
 )
 
 
-def test_the_fork_server_preloads_the_bootstrap_freezes_and_keeps_the_users_list() -> None:
-    # A fresh supervisor: the test process's own fork server already runs.
+def run_supervisor(program: str) -> Any:
+    """Run ``program`` as a fresh supervisor (the test process's own fork server
+    already runs); return what it printed, as JSON."""
     completed = subprocess.run(
-        [sys.executable, "-c", PROGRAM], cwd=ROOT, capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert completed.returncode == 0, completed.stderr
-    shown = json.loads(completed.stdout)
+    return json.loads(completed.stdout)
+
+
+def test_the_fork_server_preloads_the_bootstrap_freezes_and_keeps_the_users_list() -> None:
+    shown = run_supervisor(PROGRAM)
     assert shown["results"] == [0, 1]
     assert shown["preload"] == ["__main__", "json", "aiospawn._rank.forkserver"]
     # The server's objects (the bootstrap and json among them, thousands) are frozen.
@@ -97,15 +103,7 @@ RESTART_PROGRAM = textwrap.dedent(
 def test_a_fork_server_that_died_between_groups_is_started_again_with_the_bootstrap() -> None:
     # Only the first forkserver call starts the server itself; a later one
     # relies on multiprocessing starting it again, from the same preload list.
-    completed = subprocess.run(
-        [sys.executable, "-c", RESTART_PROGRAM],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert completed.returncode == 0, completed.stderr
-    first, second, third = json.loads(completed.stdout)
+    first, second, third = run_supervisor(RESTART_PROGRAM)
     servers = [{server for server, _ in group} for group in (first, second, third)]
     assert len(servers[0]) == 1  # one server, kept
     assert servers[1] == servers[0]
