@@ -70,15 +70,18 @@ RESTART_PROGRAM = textwrap.dedent(
     """
     import json, os, signal, time
     import anyio, aiospawn
+    from aiospawn._local import _forkserver
     from tests import ranks
+    from tests.helpers import is_gone
 
-    def gone(pid):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"  # dead, not yet reaped
+    early_starts = []
+    start_early = _forkserver.start_early
+
+    def counted_start_early():
+        early_starts.append(os.getpid())
+        start_early()
+
+    _forkserver.start_early = counted_start_early
 
     async def group():
         return await aiospawn.start_processes(
@@ -90,10 +93,10 @@ RESTART_PROGRAM = textwrap.dedent(
         second = await group()
         os.kill(first[0][0], signal.SIGKILL)
         deadline = time.monotonic() + 30
-        while not gone(first[0][0]) and time.monotonic() < deadline:
+        while not is_gone(first[0][0]) and time.monotonic() < deadline:
             await anyio.sleep(0.01)
         third = await group()
-        print(json.dumps([first, second, third]))
+        print(json.dumps({"groups": [first, second, third], "early starts": len(early_starts)}))
 
     anyio.run(main)
     """
@@ -103,7 +106,9 @@ RESTART_PROGRAM = textwrap.dedent(
 def test_a_fork_server_that_died_between_groups_is_started_again_with_the_bootstrap() -> None:
     # Only the first forkserver call starts the server itself; a later one
     # relies on multiprocessing starting it again, from the same preload list.
-    first, second, third = run_supervisor(RESTART_PROGRAM)
+    shown = run_supervisor(RESTART_PROGRAM)
+    assert shown["early starts"] == 1
+    first, second, third = shown["groups"]
     servers = [{server for server, _ in group} for group in (first, second, third)]
     assert len(servers[0]) == 1  # one server, kept
     assert servers[1] == servers[0]

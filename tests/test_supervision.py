@@ -561,12 +561,13 @@ async def test_each_group_restart_gets_a_fresh_master_port(events: Events) -> No
     assert port != first_port
 
 
-async def test_env_is_set_before_a_spawn_rank_imports_the_function_module() -> None:
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+async def test_env_is_set_before_a_rank_imports_the_function_module(start_method: str) -> None:
     results = await aiospawn.start_processes(
         env_probe_module.probe_at_import,
         nprocs=2,
         env=lambda rank: {"AIOSPAWN_PROBE": f"rank {rank}"},
-        start_method="spawn",
+        start_method=start_method,
     )
     assert results == ["rank 0", "rank 1"]
 
