@@ -1,4 +1,14 @@
-"""Shared fixtures: both anyio backends, and leak checks around every test.
+"""Shared fixtures: the event loops a test runs on, tests that run alone, leak checks.
+
+Event loops: a test that takes ``anyio_backend`` (every ``@pytest.mark.anyio``
+test) runs on asyncio; a test marked ``both_loops``, whose subject is the glue
+between aiospawn and the event loop, runs on asyncio and on trio. ``--loops``
+changes that for a run: ``--loops trio`` runs every test on trio, ``--loops
+both`` every test on both (CI runs one interpreter with ``--loops trio``).
+
+Parallel runs: the suite runs on pytest-xdist's workers. A test marked
+``alone`` runs while no other test runs, on any worker: each test holds a
+shared lock on a file of the run, an ``alone`` test an exclusive one.
 
 Every test is checked for what it leaves behind: child processes (zombies
 included), pipes and pidfds, and entries in the temp dir. Whatever the
@@ -8,6 +18,7 @@ dir) is started before the first baseline is taken.
 
 from __future__ import annotations
 
+import fcntl
 import gc
 import multiprocessing
 import multiprocessing.forkserver
@@ -16,20 +27,97 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
 from tests.helpers import Events, live_children, open_fds, wait_until
 
+LOOPS = {"asyncio": ["asyncio"], "trio": ["trio"], "both": ["asyncio", "trio"]}
 
-@pytest.fixture(
-    params=[
-        pytest.param("asyncio", id="asyncio"),
-        pytest.param("trio", id="trio"),
-    ]
-)
-def anyio_backend(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--loops",
+        choices=sorted(LOOPS),
+        default="asyncio",
+        help="the event loops every test runs on (both_loops tests run on both anyway)",
+    )
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    """The loop a test runs on: replaced by the parameters below (anyio's has its own)."""
+    return "asyncio"
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Parametrize ``anyio_backend``, unless the test names its loops itself."""
+    if "anyio_backend" not in metafunc.fixturenames:
+        return
+    for mark in metafunc.definition.iter_markers("parametrize"):
+        if "anyio_backend" in mark.args[0]:
+            return
+    if metafunc.definition.get_closest_marker("both_loops"):
+        loops = LOOPS["both"]
+    else:
+        loops = LOOPS[metafunc.config.getoption("loops")]
+    metafunc.parametrize("anyio_backend", loops, ids=loops)
+
+
+class RunLock:
+    """A readers-writer lock across the workers of one run, made of two locked files.
+
+    Every test holds ``main`` shared, an ``alone`` test exclusively. An
+    ``alone`` test takes ``turnstile`` first and keeps it while it waits for
+    ``main``, and every test passes the turnstile on its way in: tests that
+    start meanwhile queue behind the ``alone`` test instead of starving it.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self.main = os.open(directory / "aiospawn-run.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        self.turnstile = os.open(
+            directory / "aiospawn-run.turnstile", os.O_RDWR | os.O_CREAT, 0o600
+        )
+
+    @contextmanager
+    def held(self, alone: bool) -> Iterator[None]:
+        fcntl.flock(self.turnstile, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(self.main, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(self.turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(self.main, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        os.close(self.main)
+        os.close(self.turnstile)
+
+
+@pytest.fixture(scope="session")
+def _run_lock(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunLock | None]:
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        yield None  # one process runs the tests: each runs alone
+        return
+    # A worker's basetemp is inside the run's own (pytest-xdist names it after
+    # the worker): that parent is one directory for the whole run, new each run.
+    lock = RunLock(tmp_path_factory.getbasetemp().parent)
+    yield lock
+    lock.close()
+
+
+@pytest.fixture(autouse=True)
+def _alone_or_shared(request: pytest.FixtureRequest, _run_lock: RunLock | None) -> Iterator[None]:
+    """Hold the run's lock: exclusively for an ``alone`` test, shared for the others."""
+    if _run_lock is None:
+        yield
+        return
+    with _run_lock.held(alone=request.node.get_closest_marker("alone") is not None):
+        yield
 
 
 @pytest.fixture(scope="session", autouse=True)

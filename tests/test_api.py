@@ -282,6 +282,7 @@ async def test_an_exception_in_the_block_stops_the_ranks_and_propagates_unchange
 
 
 @pytest.mark.parametrize("start_method", ["spawn", "fork"])
+@pytest.mark.both_loops
 async def test_a_rank_failing_cancels_the_blocked_body_and_the_block_raises_its_exception(
     start_method: str,
 ) -> None:
@@ -311,6 +312,7 @@ async def test_a_rank_failing_cancels_the_blocked_body_and_the_block_raises_its_
 
 
 @pytest.mark.parametrize("start_method", ["spawn", "fork"])
+@pytest.mark.both_loops
 async def test_cancelling_start_processes_terminates_the_ranks_gracefully(
     start_method: str, events: Events
 ) -> None:
@@ -329,6 +331,7 @@ async def test_cancelling_start_processes_terminates_the_ranks_gracefully(
 
 
 @pytest.mark.parametrize("start_method", ["spawn", "fork"])
+@pytest.mark.both_loops
 async def test_cancelling_the_scope_around_open_group_terminates_the_ranks_gracefully(
     start_method: str, events: Events
 ) -> None:
@@ -349,6 +352,7 @@ async def test_cancelling_the_scope_around_open_group_terminates_the_ranks_grace
     assert all(is_reaped(pid) for pid in pids.values())
 
 
+@pytest.mark.both_loops
 async def test_a_second_cancellation_does_not_abandon_the_ranks(
     events: Events, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -379,6 +383,7 @@ async def test_a_second_cancellation_does_not_abandon_the_ranks(
 
 
 @pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+@pytest.mark.both_loops
 async def test_cancelling_while_the_ranks_start_leaves_no_process_behind(
     start_method: str, events: Events
 ) -> None:
@@ -411,6 +416,7 @@ async def test_cancelling_while_the_ranks_start_leaves_no_process_behind(
 
 
 @pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+@pytest.mark.both_loops
 async def test_the_loop_keeps_running_while_the_ranks_start(
     start_method: str, events: Events
 ) -> None:

@@ -15,7 +15,8 @@ import aiospawn
 from tests import ranks
 from tests.helpers import Events, drain, is_reaped, is_running, receive, receive_ready
 
-pytestmark = pytest.mark.anyio
+# Its subject is the glue between the group and the event loop: both loops.
+pytestmark = [pytest.mark.anyio, pytest.mark.both_loops]
 
 
 async def wait_exited_unreaped(pid: int) -> None:

@@ -40,6 +40,7 @@ def is_alive(process: int | psutil.Process) -> bool:
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+@pytest.mark.alone  # it bounds a duration
 async def test_ranks_start_side_by_side(start_method: str) -> None:
     """Four ranks whose start blocks for an import second start in about one second.
 

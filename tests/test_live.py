@@ -111,6 +111,7 @@ async def test_a_bad_rank_loop_is_refused_before_anything_starts(
 
 @pytest.mark.parametrize("start_method", ["spawn", "fork"])
 @pytest.mark.parametrize("rank_loop", ["asyncio", "trio"])
+@pytest.mark.both_loops
 async def test_sigterm_cancels_an_async_rank_and_its_cleanup_runs(
     anyio_backend: str, start_method: str, rank_loop: str
 ) -> None:
@@ -170,6 +171,7 @@ async def test_a_second_sigterm_ends_an_async_rank_stuck_in_its_cleanup(
 
 
 @pytest.mark.parametrize("kind", ["sync", "asyncio", "trio"])
+@pytest.mark.both_loops
 async def test_wait_ready_returns_the_payloads_in_rank_order(anyio_backend: str, kind: str) -> None:
     fn, options = kind_of(kind, "ready_then_drain")
     async with group(fn, nprocs=3, what="wait_ready()", **options) as ctx:
@@ -191,6 +193,7 @@ async def test_wait_ready_returns_the_payloads_in_rank_order(anyio_backend: str,
     assert ctx.results == [0, 1, 2]
 
 
+@pytest.mark.both_loops
 async def test_open_group_with_wait_ready_enters_once_every_rank_is_ready(
     anyio_backend: str,
 ) -> None:
@@ -309,6 +312,7 @@ async def test_a_ready_rank_that_never_beats_is_not_hung_after_startup_timeout(
 
 
 @pytest.mark.parametrize("kind", ["sync", "asyncio", "trio"])
+@pytest.mark.both_loops
 async def test_messages_go_both_ways_in_order(anyio_backend: str, kind: str) -> None:
     fn, options = kind_of(kind, "echo")
     async with group(fn, what="an echo round trip", **options) as ctx:
@@ -343,6 +347,7 @@ async def test_receive_ends_with_end_of_stream_once_the_rank_closes_or_returns(
     assert ctx.results == [None]
 
 
+@pytest.mark.both_loops
 async def test_a_send_blocks_while_the_rank_does_not_read(anyio_backend: str) -> None:
     go_reader, go_writer = multiprocessing.Pipe(duplex=False)
     chunk = b"x" * (64 << 10)
@@ -389,6 +394,7 @@ async def test_send_eof_ends_the_ranks_receive_and_its_messages_still_come(
     assert ctx.results == [3]
 
 
+@pytest.mark.both_loops
 async def test_send_eof_while_a_send_waits_for_a_rank_that_does_not_read(
     anyio_backend: str,
 ) -> None:
@@ -474,6 +480,7 @@ async def _large_round_trip(kind: str, size: int) -> None:
 
 
 @pytest.mark.parametrize("start_method", ["spawn", "forkserver", "fork"])
+@pytest.mark.both_loops
 async def test_a_pending_receive_raises_the_failure_of_a_rank_that_dies(
     anyio_backend: str, start_method: str
 ) -> None:
@@ -609,6 +616,7 @@ STORM_SLOW = pytest.param(3000, id="3000", marks=pytest.mark.slow)
 
 @pytest.mark.parametrize("iterations", [STORM, STORM_SLOW])
 @pytest.mark.parametrize("kind", ["sync", "asyncio"])
+@pytest.mark.both_loops
 async def test_a_send_storm_loses_and_duplicates_nothing(
     anyio_backend: str, kind: str, iterations: int
 ) -> None:
@@ -650,6 +658,7 @@ async def test_a_receive_storm_loses_and_duplicates_nothing(
 
 @pytest.mark.parametrize("iterations", [STORM, STORM_SLOW])
 @pytest.mark.parametrize("kind", ["sync", "asyncio"])
+@pytest.mark.both_loops
 async def test_a_call_storm_never_answers_a_call_with_another_calls_reply(
     anyio_backend: str, kind: str, iterations: int
 ) -> None:
@@ -747,6 +756,7 @@ async def test_an_async_rank_serves_calls_while_another_task_sends(
 
 
 @pytest.mark.parametrize("kind", ["sync", "asyncio", "trio"])
+@pytest.mark.both_loops
 async def test_call_returns_the_results_in_rank_order(anyio_backend: str, kind: str) -> None:
     fn, options = kind_of(kind, "serve")
     async with group(fn, nprocs=3, what="ctx.call()", **options) as ctx:
@@ -814,6 +824,7 @@ async def test_a_rank_that_dies_during_a_call_raises_its_failure(
     assert joined.value.error_index == 1
 
 
+@pytest.mark.both_loops
 async def test_a_call_times_out_naming_the_silent_rank_and_its_late_reply_is_dropped(
     anyio_backend: str,
 ) -> None:

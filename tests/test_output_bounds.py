@@ -78,6 +78,7 @@ async def _max_lag(period: float, lags: list[float]) -> None:
 
 
 @pytest.mark.parametrize("mode", ["prefix", "capture"])
+@pytest.mark.alone  # it bounds a duration
 async def test_a_descendant_holding_the_output_pipe_stalls_neither_the_loop_nor_join(
     mode: str,
 ) -> None:

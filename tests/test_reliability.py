@@ -381,6 +381,7 @@ def test_the_blocked_thread_detector_sees_a_thread_in_our_code() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # it bounds a duration
 async def test_256_running_ranks_are_torn_down_with_exact_exit_codes(
     anyio_backend: str, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -9,7 +9,8 @@ import pytest
 
 from aiospawn._core._concurrency import run_to_completion
 
-pytestmark = pytest.mark.anyio
+# Its subject is the glue between the group and the event loop: both loops.
+pytestmark = [pytest.mark.anyio, pytest.mark.both_loops]
 
 
 class Cleanup:

@@ -17,7 +17,8 @@ from aiospawn._local._rank import LocalRank
 from tests import ranks
 from tests.helpers import Events, drain, is_reaped, receive_ready
 
-pytestmark = pytest.mark.anyio
+# Its subject is the glue between the group and the event loop: both loops.
+pytestmark = [pytest.mark.anyio, pytest.mark.both_loops]
 
 
 def records(caplog: pytest.LogCaptureFixture, level: int) -> list[str]:
@@ -121,6 +122,7 @@ async def test_the_reported_failure_is_never_a_rank_we_stopped(
     assert drain(reader) == [("SIGTERM", 0)]
 
 
+@pytest.mark.alone  # it bounds a duration
 async def test_ranks_ignoring_sigterm_cost_one_grace_period_not_one_each(
     events: Events, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -504,6 +504,7 @@ def test_join_is_idempotent_after_a_failure() -> None:
     assert errors[0] is not errors[1]
 
 
+@pytest.mark.alone  # it bounds a duration
 def test_the_shutdown_after_an_undelivered_sigkill_is_bounded(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -570,6 +571,7 @@ def test_join_counts_an_exit_that_happened_between_calls() -> None:
 
 
 @pytest.mark.parametrize("parallel_start", ["0", "1"])
+@pytest.mark.alone  # it bounds a duration
 def test_ranks_start_concurrently_whatever_torch_mp_parallel_start_says(
     monkeypatch: pytest.MonkeyPatch, parallel_start: str
 ) -> None:

@@ -14,7 +14,8 @@ import aiospawn
 from tests import ranks
 from tests.helpers import receive, tripwire, wait_until
 
-pytestmark = pytest.mark.anyio
+# Its subject is the glue between the group and the event loop: both loops.
+pytestmark = [pytest.mark.anyio, pytest.mark.both_loops]
 
 START_METHODS = ["spawn", "forkserver", "fork"]
 

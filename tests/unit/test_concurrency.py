@@ -7,7 +7,8 @@ import pytest
 
 from aiospawn._core._concurrency import Broadcast, SingleWatcher
 
-pytestmark = pytest.mark.anyio
+# Its subject is the glue between the group and the event loop: both loops.
+pytestmark = [pytest.mark.anyio, pytest.mark.both_loops]
 
 
 async def test_one_task_watches_and_a_waiter_takes_over_when_it_is_cancelled() -> None:
