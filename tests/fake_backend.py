@@ -20,6 +20,7 @@ from __future__ import annotations
 import pickle
 import signal
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -49,6 +50,14 @@ class FakeClock:
         self.now += seconds
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FakeProcess:
+    """What ``aiospawn.sync`` reads of a rank's process object: ids, no process."""
+
+    pid: int
+    sentinel: int
+
+
 class FakeRank:
     """One attempt at one rank; it starts, beats and exits when the test says."""
 
@@ -70,9 +79,9 @@ class FakeRank:
         self._stopped_by_us = False
 
     @property
-    def process(self) -> None:
-        """No process object: nothing runs."""
-        return None
+    def process(self) -> FakeProcess | None:
+        """A stand-in for the process object, once started: nothing runs."""
+        return None if self.pid is None else FakeProcess(pid=self.pid, sentinel=self.pid)
 
     # The seam (RankHandle), as the group calls it.
 
@@ -93,7 +102,11 @@ class FakeRank:
         return self.exit
 
     async def wait(self) -> RankExit:
-        """Wait until the test ends the rank (or a signal does)."""
+        """Wait until the test ends the rank (or a signal does, or ``runs_for`` passes)."""
+        if self._backend.runs_for is not None:
+            with anyio.move_on_after(self._backend.runs_for):
+                await self._ended.wait()
+            self.returns()  # nothing if a signal ended it first
         await self._ended.wait()
         await checkpoint()
         exit = self.poll()
@@ -200,6 +213,8 @@ class FakeBackend:
         fail_start: ``(rank, attempt) -> error`` for starts that must fail.
         ignored_signals: Signals the ranks survive (SIGKILL never is).
         changed: Notified whenever a rank starts or exits.
+        runs_for: If set, a started rank returns ``None`` by itself after this
+            many seconds of real time, unless it ended before.
     """
 
     def __init__(self, clock: FakeClock | None = None) -> None:
@@ -210,6 +225,7 @@ class FakeBackend:
         self.changed = Broadcast()
         self.next_pid = 10_000
         self.launcher: FakeLauncher | None = None
+        self.runs_for: float | None = None
 
     async def open(self, spec: LaunchSpec, capture: CaptureBuffer | None) -> FakeLauncher:
         """Make the group's launcher; nothing starts yet."""

@@ -19,7 +19,8 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from types import FrameType
@@ -29,8 +30,10 @@ import psutil
 import pytest
 
 import aiospawn.sync as sync
+from aiospawn import AsyncProcessContext
 from tests import interrupt_ranks, ranks
-from tests.conftest import live_children
+from tests.fake_backend import FakeBackend, start_group
+from tests.helpers import live_children
 
 
 def loop_threads() -> list[threading.Thread]:
@@ -46,27 +49,39 @@ def default_sigint() -> Iterator[None]:
     signal.signal(signal.SIGINT, previous)
 
 
+def place(frame: FrameType, event: str) -> str:
+    """An event and where it happened: ``"line _join (/path/sync.py:123)"``."""
+    code = frame.f_code
+    return f"{event} {code.co_name} ({code.co_filename}:{frame.f_lineno})"
+
+
 class InterruptAt:
-    """A trace function that raises KeyboardInterrupt at the ``k``-th traced event.
+    """A trace function that raises KeyboardInterrupt at one traced event.
 
     Counts the ``call``, ``line`` and ``return`` events of the thread it is
-    set on (``sys.settrace``); raising from a trace function also ends the
-    tracing, so exactly one interruption happens per run.
+    set on (``sys.settrace``) and raises at the ``k``-th, or at the first that
+    happens at ``at`` (a :func:`place`); raising from a trace function also
+    ends the tracing, so exactly one interruption happens per run. With
+    neither, it records every event's place in :attr:`seen`.
     """
 
-    def __init__(self, k: int) -> None:
+    def __init__(self, k: int | None = None, at: str | None = None) -> None:
         self.k = k
+        self.at = at
         self.events = 0
+        self.seen: list[str] = []
         self.hit: str | None = None
         self.interruption = KeyboardInterrupt()
 
     def __call__(self, frame: FrameType, event: str, arg: Any) -> InterruptAt:
         if event in ("call", "line", "return"):
             self.events += 1
-            if self.events == self.k:
-                code = frame.f_code
-                self.hit = f"{event} {code.co_name} ({code.co_filename}:{frame.f_lineno})"
+            where = place(frame, event)
+            if self.events == self.k or where == self.at:
+                self.hit = where
                 raise self.interruption
+            if self.k is None and self.at is None:
+                self.seen.append(where)
         return self
 
 
@@ -108,10 +123,62 @@ class Handshake:
             end.close()
 
 
-def run_interrupted_at(k: int, start_method: str, children: set[int]) -> InterruptAt:
-    """Start and join a group, interrupted at the ``k``-th event; check what is left."""
-    handshake = Handshake.open(nprocs=1)
-    trace = InterruptAt(k)
+class RealGroup:
+    """One rank under ``start_method`` that reports, then waits until the handshake releases it."""
+
+    def __init__(self, start_method: str) -> None:
+        self.start_method = start_method
+        self.children = live_children()
+        # Made before the tracing starts: only aiospawn.sync's call is interrupted.
+        self.handshake = Handshake.open(nprocs=1)
+
+    def start_and_join(self) -> None:
+        sync.start_processes(
+            interrupt_ranks.report_then_wait,
+            (self.handshake.report, self.handshake.release),
+            nprocs=1,
+            start_method=self.start_method,
+        )
+
+    def close(self) -> None:
+        self.handshake.close()
+
+    def left_running(self) -> list[str]:
+        return [f"process {pid}" for pid in sorted(live_children() - self.children)]
+
+
+class FakeGroup:
+    """One fake rank (tests/fake_backend.py) that returns by itself a moment after it starts.
+
+    The caller's thread, the one traced, runs the same code of ``aiospawn.sync``
+    as for a real group; the group it drives on the loop thread has no process.
+    """
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.backend = FakeBackend()
+        self.backend.runs_for = 0.005
+
+        async def start_fake(*args: object, **kwargs: object) -> AsyncProcessContext[Any]:
+            return await start_group(self.backend, nprocs=1)
+
+        monkeypatch.setattr(sync, "_start_group_async", start_fake)
+
+    def start_and_join(self) -> None:
+        sync.start_processes(interrupt_ranks.report_then_wait, nprocs=1, start_method="fork")
+
+    def close(self) -> None:
+        pass
+
+    def left_running(self) -> list[str]:
+        return [
+            f"fake rank {made.rank}"
+            for made in self.backend.made
+            if made.started and made.exit is None
+        ]
+
+
+def run_interrupted(trace: InterruptAt, group: RealGroup | FakeGroup) -> InterruptAt:
+    """Start and join a group under ``trace``; check what is left."""
     raised: BaseException | None = None
     # The interpreter swallows an exception raised in a weakref callback or a
     # finalizer (it reports it as unraisable), and the collector runs those
@@ -134,20 +201,15 @@ def run_interrupted_at(k: int, start_method: str, children: set[int]) -> Interru
     sys.unraisablehook = unraisable_hook
     sys.settrace(trace)
     try:
-        sync.start_processes(
-            interrupt_ranks.report_then_wait,
-            (handshake.report, handshake.release),
-            nprocs=1,
-            start_method=start_method,
-        )
+        group.start_and_join()
     except BaseException as exc:
         raised = exc
     finally:
         sys.settrace(None)
         sys.unraisablehook = previous_hook
         gc.enable()
-        handshake.close()
-    where = f"interrupted at event {k}: {trace.hit}"
+        group.close()
+    where = f"interrupted at event {trace.events}: {trace.hit}"
     if trace.hit is None:
         assert raised is None, f"the run that was not interrupted raised {raised!r}"
     elif swallowed:  # in a finalizer or weakref callback: the run went on undisturbed
@@ -156,7 +218,7 @@ def run_interrupted_at(k: int, start_method: str, children: set[int]) -> Interru
         assert type(raised) is KeyboardInterrupt, f"{where}: raised {raised!r}"
     # At once, no retry: the ranks were reaped and the loop thread was gone
     # before the exception left.
-    assert live_children() <= children, f"{where}: ranks left running"
+    assert group.left_running() == [], f"{where}: ranks left running"
     assert loop_threads() == [], f"{where}: the loop thread was left running"
     handler = signal.getsignal(signal.SIGINT)
     if handler is not signal.default_int_handler:
@@ -168,26 +230,54 @@ def run_interrupted_at(k: int, start_method: str, children: set[int]) -> Interru
     return trace
 
 
-def sweep(start_method: str) -> None:
-    children = live_children()
+def sweep(new_group: Callable[[], RealGroup | FakeGroup]) -> None:
+    """Interrupt a start and join at each traced event in turn, the first, the second..."""
     k = 1
-    while run_interrupted_at(k, start_method, children).hit is not None:
+    while run_interrupted(InterruptAt(k), new_group()).hit is not None:
         k += 1
     assert k > 100  # the last run had fewer events than this: it ran to its end
 
 
-@pytest.mark.timeout(900)
-def test_an_interruption_at_any_point_of_a_fork_start_and_join_leaves_nothing() -> None:
-    sweep("fork")
+def places(new_group: Callable[[], RealGroup | FakeGroup]) -> list[str]:
+    """The places of a start and join's events, uninterrupted, each once, in order."""
+    trace = run_interrupted(InterruptAt(), new_group())
+    return list(dict.fromkeys(trace.seen))
+
+
+def in_sync(places: Iterable[str]) -> set[str]:
+    """The places of ``places`` in aiospawn.sync's own code."""
+    return {place for place in places if f"{os.sep}aiospawn{os.sep}sync.py:" in place}
+
+
+@contextmanager
+def fake_groups() -> Iterator[Callable[[], FakeGroup]]:
+    with pytest.MonkeyPatch.context() as patch:
+        yield lambda: FakeGroup(patch)
+
+
+def test_an_interruption_at_any_point_of_a_start_and_join_leaves_nothing() -> None:
+    # Against a fake group: the caller's thread, the one interrupted, runs the
+    # same code whatever runs the ranks (the slow test below checks it). Each
+    # event in turn, as in the real sweeps; then the first event at each place,
+    # which a run whose waits loop more or fewer times might step over.
+    with fake_groups() as new_group:
+        sweep(new_group)
+        for where in places(new_group):
+            assert run_interrupted(InterruptAt(at=where), new_group()).hit == where
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
-def test_an_interruption_at_any_point_of_a_start_and_join_leaves_nothing(
+@pytest.mark.parametrize("start_method", ["fork", "spawn", "forkserver"])
+def test_an_interruption_at_any_point_of_a_real_start_and_join_leaves_nothing(
     start_method: str,
 ) -> None:
-    sweep(start_method)
+    sweep(lambda: RealGroup(start_method))
+    # What the fake sweep stands for: a real group's start and join pass
+    # through no place of aiospawn.sync that a fake group's do not.
+    with fake_groups() as new_group:
+        fake = in_sync(places(new_group))
+    assert in_sync(places(lambda: RealGroup(start_method))) - fake == set()
 
 
 def test_a_ctrl_c_taken_by_another_thread_still_stops_the_group() -> None:
