@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from aiospawn import _cli as cli
 from tests.cli_helpers import (
     Launcher,
     basetemp_first,
@@ -485,14 +486,18 @@ def test_no_error_file_after_success(tmp_path: Path) -> None:
     ],
     ids=lambda value: " ".join(value) if isinstance(value, list) else None,
 )
-def test_refusals_say_why_before_starting(args: list[str], words: str, tmp_path: Path) -> None:
+def test_refusals_say_why_before_starting(
+    args: list[str], words: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # In this process: the command's parse and plan steps refuse before any
+    # start (the launcher as a process is tested above and in test_cli.py).
     marker = tmp_path / "ran"
-    result = run("run", "-n", "2", *args, program("touch.py"), str(marker))
-    assert result.returncode == 2, result.stderr
-    assert result.stdout == ""
-    assert result.stderr.count("\n") == 1, result.stderr
-    assert result.stderr.startswith("aiospawn: error: ")
-    assert words in result.stderr
+    assert cli.main(["run", "-n", "2", *args, program("touch.py"), str(marker)]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.count("\n") == 1, err
+    assert err.startswith("aiospawn: error: ")
+    assert words in err
     assert not marker.exists()
 
 
