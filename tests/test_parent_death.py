@@ -186,16 +186,18 @@ START_METHODS = ["spawn", "fork", "forkserver"]
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("start_method", START_METHODS)
+@pytest.mark.alone  # it bounds a duration
 def test_ranks_and_grandchildren_die_with_a_sigkilled_supervisor(
     start_method: str, variant: str
 ) -> None:
-    run_trials(start_method, variant, trials=3)
+    run_trials(start_method, variant, trials=1)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("start_method", START_METHODS)
+@pytest.mark.alone  # it bounds a duration
 def test_ranks_and_grandchildren_die_with_a_sigkilled_supervisor_many_times(
     start_method: str, variant: str
 ) -> None:
-    run_trials(start_method, variant, trials=max(1, int(20 * STRESS)))
+    run_trials(start_method, variant, trials=max(1, int(8 * STRESS)))
