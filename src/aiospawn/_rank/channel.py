@@ -167,7 +167,7 @@ def encode(obj: Any) -> bytes:
     try:
         payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     except BaseException as exc:  # a __reduce__ may raise SystemExit: still obj's error
-        error = TypeError(f"cannot send {type(obj).__qualname__} over the channel: {describe(exc)}")
+        error = TypeError(f"cannot send {type(obj).__qualname__} over the channel: {_raised(exc)}")
         raise error from exc
     wire.check_size(len(payload))
     return payload
@@ -183,7 +183,13 @@ def decode(payload: bytes | bytearray, what: str) -> Any:
     try:
         return pickle.loads(payload)
     except BaseException as exc:  # the pickle's own code raised: its error, not the rank's end
-        raise pickle.UnpicklingError(f"{what} cannot be unpickled: {describe(exc)}") from exc
+        raise pickle.UnpicklingError(f"{what} cannot be unpickled: {_raised(exc)}") from exc
+
+
+def _raised(exc: BaseException) -> str:
+    """``"SystemExit: 3"``: what the pickle's own code raised."""
+    name, text = type(exc).__qualname__, describe(exc)
+    return name if text == name else f"{name}: {text}"
 
 
 def _reply(call_id: int, ok: bool, value: Any) -> bytes:
@@ -192,7 +198,7 @@ def _reply(call_id: int, ok: bool, value: Any) -> bytes:
             answer = pickle.dumps((True, value), protocol=pickle.HIGHEST_PROTOCOL)
         except BaseException as exc:  # a __reduce__ may raise SystemExit: still this answer's
             error: Exception = TypeError(
-                f"the handler's return value cannot be pickled: {describe(exc)}"
+                f"the handler's return value cannot be pickled: {_raised(exc)}"
             )
             error.__cause__ = exc
             value = error
