@@ -316,9 +316,11 @@ class Group(Generic[T]):
 
     def _on_broken(self, rank: RankHandle, broken: BrokenChannel) -> None:
         """``rank`` sent a frame that breaks the format: it has failed, as a hung rank has."""
-        if rank is not self._ranks[rank.rank] or rank.exit is not None or rank in self._faulty:
-            # A past attempt, or one whose exit is recorded already: the
-            # channel's readers get the error; the group has its exit.
+        current = rank is self._ranks[rank.rank] and rank not in self._faulty
+        if not current or rank.exit is not None or self._shutdown is not None:
+            # A past attempt, one whose exit is recorded already, or a group
+            # being stopped anyway (as for a hang found then): the channel's
+            # readers get the error; the group reports what it reports.
             return
         logger.warning(
             "Rank %d (pid %d) broke its channel: it sent %s", rank.rank, broken.pid, broken.reason
