@@ -173,7 +173,7 @@ def encode(obj: Any) -> bytes:
     return payload
 
 
-def decode(payload: bytes | bytearray, what: str) -> Any:
+def decode(payload: bytes | bytearray | memoryview, what: str) -> Any:
     """Unpickle a frame's payload.
 
     Raises:
