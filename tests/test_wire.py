@@ -1,4 +1,8 @@
-"""The result frame (``_wire``): reassembly from any chunking, never reading past the frame."""
+"""The frame format (``_rank.wire``): reassembly from any chunking, never reading past the frame.
+
+Also the channel's frame checks: a kind the receiver does not take, or a size
+out of its kind's range, is refused at the header, before any of its payload.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,19 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from aiospawn._rank.wire import HEADER, FrameReader, Kind, header
+from aiospawn._rank.wire import (
+    CALL_ID,
+    FROM_RANK,
+    HEADER,
+    MAX_FRAME_BYTES,
+    TO_RANK,
+    FrameError,
+    FrameReader,
+    Kind,
+    Link,
+    check_size,
+    header,
+)
 
 PAYLOAD = b"the rank's pickled result \x00\xff" * 10
 
@@ -97,3 +113,67 @@ def test_a_stream_that_ends_early_leaves_the_frame_incomplete(payload: bytes, ch
     reader, unread = read_like_the_watcher(data[:-1], chunk)
     assert unread == b""
     assert reader.frame() is None
+
+
+# ------------------------------------------------------------ channel frames
+
+
+@pytest.mark.parametrize(
+    ("sizes", "kind", "size", "match"),
+    [
+        (FROM_RANK, 255, 2**64 - 1, "unknown kind 255"),
+        (FROM_RANK, 0, 0, "unknown kind 0"),
+        (FROM_RANK, Link.CALL, 100, "unknown kind 3"),  # only the supervisor calls
+        (TO_RANK, Link.REPLY, 100, "unknown kind 4"),  # only a rank replies
+        (TO_RANK, Link.READY, 100, "unknown kind 2"),
+        (FROM_RANK, Link.MESSAGE, MAX_FRAME_BYTES + 1, "more than a channel frame carries"),
+        (FROM_RANK, Link.MESSAGE, 2**62, "more than a channel frame carries"),
+        (TO_RANK, Link.CALL, 2**64 - 1, "more than a channel frame carries"),
+        (FROM_RANK, Link.REPLY, CALL_ID.size - 1, "shorter than its 8-byte call id"),
+        (FROM_RANK, Link.REPLY, 0, "shorter than its 8-byte call id"),
+        (TO_RANK, Link.CALL, 2, "shorter than its 8-byte call id"),
+        (FROM_RANK, Link.CLOSE, 1, "a CLOSE frame is empty"),
+    ],
+)
+def test_a_header_the_receiver_does_not_take_is_refused_before_its_payload(
+    sizes: dict[int, tuple[int, int | None]], kind: int, size: int, match: str
+) -> None:
+    reader = FrameReader(sizes)
+    reader.feed(header(kind, size)[:-1])  # a header in part is not judged yet
+    with pytest.raises(FrameError, match=match):
+        reader.feed(header(kind, size)[-1:] + b"junk")
+    assert reader.frame() is None
+
+
+def test_garbage_is_refused_at_its_first_header() -> None:
+    reader = FrameReader(FROM_RANK)
+    with pytest.raises(FrameError, match="unknown kind 255 \\(its header: ff ff ff"):
+        reader.feed(b"\xff" * HEADER.size)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "kind", "size"),
+    [
+        (FROM_RANK, Link.MESSAGE, 0),
+        (FROM_RANK, Link.MESSAGE, MAX_FRAME_BYTES),
+        (FROM_RANK, Link.READY, 5),
+        (FROM_RANK, Link.REPLY, CALL_ID.size),
+        (FROM_RANK, Link.CLOSE, 0),
+        (TO_RANK, Link.CALL, CALL_ID.size + 1),
+        (TO_RANK, Link.MESSAGE, 1),
+        (None, 255, 2**64 - 1),  # an outcome frame's reader takes any header
+    ],
+)
+def test_a_header_in_range_is_taken(
+    sizes: dict[int, tuple[int, int | None]] | None, kind: int, size: int
+) -> None:
+    reader = FrameReader(sizes)
+    reader.feed(header(kind, size))
+    assert reader.wanted == size
+    assert reader.complete == (size == 0)
+
+
+def test_a_sender_refuses_a_payload_beyond_the_limit() -> None:
+    check_size(MAX_FRAME_BYTES)
+    with pytest.raises(ValueError, match=f"more than a channel frame carries \\({MAX_FRAME_BYTES}"):
+        check_size(MAX_FRAME_BYTES + 1)

@@ -46,10 +46,20 @@ class Link(Protocol):
         """The next frame, or None at the end of the stream.
 
         One task at a time. Cancellation-safe: a frame read in part is kept.
+        Frames are checked as their headers complete, against what a rank may
+        send (``wire.FROM_RANK``).
+
+        Raises:
+            FrameError: The rank sent a header that breaks the format; the
+                stream cannot be read further.
         """
 
     def frame_now(self) -> tuple[int, bytes | bytearray] | bool | None:
-        """The next frame if it can be read without waiting; None at the end, else False."""
+        """The next frame if it can be read without waiting; None at the end, else False.
+
+        Raises:
+            FrameError: As :meth:`receive_frame`.
+        """
 
     def queue_frame(self, kind: int, payload: bytes) -> None:
         """Add a frame, whole, to the outgoing queue."""

@@ -14,7 +14,18 @@ pattern, with a condition per waiter). Reading only sorts frames: a message's
 pickle goes into the inbox, a reply's to its call, a READY payload to the
 channel. Nothing is decoded while a frame is taken, so a reader cancelled at
 any point loses nothing; the task that wants an object decodes it, off the
-loop when it is large.
+loop when it is large. A message that cannot be decoded leaves the inbox with
+the error it raised: the next ``receive()`` gets the next message.
+
+A frame header that breaks the format (a kind a rank does not send, a size
+out of range: ``wire.FROM_RANK``) breaks the channel: nothing more is read
+from it, its users get the rank's failure, and the group fails that rank
+(:class:`~._outcome.BrokenChannel`) as it fails a hung one.
+
+Pickles are user code both ways (a ``__reduce__``, a class's module import):
+whatever it raises, ``SystemExit`` and ``KeyboardInterrupt`` included, is that
+object's error (``TypeError`` to send, ``pickle.UnpicklingError`` to receive),
+never the caller's own.
 
 Back-pressure, both ways. Incoming: the inbox holds :data:`INBOX_MESSAGES`
 messages (or :data:`INBOX_BYTES`); while it is full nothing more is read, so
@@ -36,12 +47,14 @@ import anyio.abc
 import anyio.to_thread
 from anyio.lowlevel import checkpoint
 
-from aiospawn._rank.wire import CALL_ID
+from aiospawn._rank import wire
+from aiospawn._rank.wire import CALL_ID, FrameError
 from aiospawn._rank.wire import Link as Kind
 
 from ._backend import Link, RankHandle
 from ._concurrency import Broadcast
 from ._errors import ProcessException
+from ._outcome import BrokenChannel
 
 #: A pickle this large or larger is encoded and decoded on a worker thread.
 THREAD_BYTES = 256 * 1024
@@ -79,24 +92,64 @@ async def encode(obj: Any) -> bytes:
     """Pickle ``obj``: on the loop while it stays small, else again on a worker thread.
 
     Raises:
-        TypeError: ``obj`` cannot be pickled.
+        TypeError: ``obj`` cannot be pickled (whatever its pickling raised,
+            ``SystemExit`` included, is the cause).
+        ValueError: Its pickle is larger than a frame carries (``wire.MAX_FRAME_BYTES``).
     """
     sink = _Sink()
     try:
-        try:
-            pickle.Pickler(sink, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
-        except _TooLarge:
-            return await anyio.to_thread.run_sync(pickle.dumps, obj, pickle.HIGHEST_PROTOCOL)
-    except Exception as exc:
-        raise TypeError(f"cannot send {type(obj).__qualname__} to a rank: {exc}") from exc
-    return b"".join(sink.parts)
+        pickle.Pickler(sink, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    except _TooLarge:
+        payload = await anyio.to_thread.run_sync(_dumps, obj)
+    except BaseException as exc:  # a __reduce__ may raise SystemExit: still obj's error
+        raise _unpicklable(obj, exc) from exc
+    else:
+        payload = b"".join(sink.parts)
+    wire.check_size(len(payload))
+    return payload
 
 
-async def decode(payload: bytes | bytearray) -> Any:
-    """Unpickle a frame's payload, on a worker thread when it is large."""
+def _dumps(obj: Any) -> bytes:
+    try:
+        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    except BaseException as exc:
+        raise _unpicklable(obj, exc) from exc
+
+
+def _unpicklable(obj: Any, exc: BaseException) -> TypeError:
+    return TypeError(f"cannot send {type(obj).__qualname__} to a rank: {_describe(exc)}")
+
+
+async def decode(payload: bytes | bytearray, what: str) -> Any:
+    """Unpickle a frame's payload, on a worker thread when it is large.
+
+    Args:
+        payload: The pickle.
+        what: What it is, for the error: ``"rank 1's message"``.
+
+    Raises:
+        pickle.UnpicklingError: It cannot be unpickled here; its cause is what
+            the unpickling raised, whatever it was (``SystemExit`` too).
+    """
     if len(payload) >= THREAD_BYTES:
-        return await anyio.to_thread.run_sync(pickle.loads, payload)
-    return pickle.loads(payload)
+        return await anyio.to_thread.run_sync(_loads, payload, what)
+    return _loads(payload, what)
+
+
+def _loads(payload: bytes | bytearray, what: str) -> Any:
+    try:
+        return pickle.loads(payload)
+    except BaseException as exc:  # unpickling runs the rank's code: its error, not ours
+        error = pickle.UnpicklingError(f"{what} cannot be unpickled here: {_describe(exc)}")
+        raise error from exc
+
+
+def _describe(exc: BaseException) -> str:
+    """``repr(exc)``, or its type's name if even that raises."""
+    try:
+        return repr(exc)
+    except BaseException:
+        return f"<{type(exc).__qualname__}: repr() failed>"
 
 
 @final
@@ -135,9 +188,12 @@ class RankChannel(anyio.abc.ObjectStream[Any]):
         written to it.
 
         Raises:
-            TypeError: ``item`` cannot be pickled.
+            TypeError: ``item`` cannot be pickled (its pickling raised, even
+                ``SystemExit``: that is the cause).
+            ValueError: ``item`` pickles to more than a frame carries (1 GiB).
             anyio.ClosedResourceError: :meth:`aclose` or :meth:`send_eof` was called.
-            ProcessException: The rank has failed (exited badly, was killed or stopped).
+            ProcessException: The rank has failed (exited badly, was killed or
+                stopped, or broke its channel).
             anyio.BrokenResourceError: The rank has ended successfully, or closed its end.
 
         Cancellation:
@@ -153,11 +209,17 @@ class RankChannel(anyio.abc.ObjectStream[Any]):
             anyio.EndOfStream: The rank closed its end (``close()``) or
                 returned, and every message it sent has been received.
             ProcessException: The rank failed (raised, exited badly, was
-                killed or stopped) with no message left to receive.
+                killed or stopped) with no message left to receive; or it
+                broke its channel (a frame that is not aiospawn's).
+            pickle.UnpicklingError: The next message cannot be unpickled here
+                (its cause is what its unpickling raised, ``SystemExit``
+                included). That message is dropped: the next ``receive()``
+                gets the one after it.
             anyio.ClosedResourceError: :meth:`aclose` was called.
 
         Cancellation:
-            Safe: a message is either returned or stays first in line.
+            Safe: a message is either returned (or its error raised) or stays
+            first in line.
         """
         return await self._conversation.receive()
 
@@ -191,10 +253,14 @@ class Conversation:
         link: Link,
         on_ready: Callable[[RankHandle], None],
         supervised: Callable[[], bool],
+        on_broken: Callable[[RankHandle, BrokenChannel], None],
     ) -> None:
         self._handle = handle
         self._link = link
         self._on_ready = on_ready
+        self._on_broken = on_broken
+        #: Set once the rank sent a frame that breaks the format.
+        self.broken: BrokenChannel | None = None
         self._supervised = supervised
         self._inbox: collections.deque[bytes | bytearray] = collections.deque()
         self._inbox_bytes = 0
@@ -251,12 +317,21 @@ class Conversation:
                 raise anyio.ClosedResourceError
             if self._inbox:
                 payload = self._inbox[0]
-                item = await decode(payload)  # taken only once decoded
-                self._inbox.popleft()
-                self._inbox_bytes -= len(payload)
-                self._changed.notify()  # room in the inbox
+                # Taken only once decoded (or found undecodable): a receive
+                # cancelled meanwhile leaves the message first in line.
+                try:
+                    item = await decode(payload, f"rank {self.rank}'s message")
+                except pickle.UnpicklingError:
+                    self._take_first()  # its error is reported once; the next one follows
+                    raise
+                self._take_first()
                 return item
         await self._raise_end()
+
+    def _take_first(self) -> None:
+        payload = self._inbox.popleft()
+        self._inbox_bytes -= len(payload)
+        self._changed.notify()  # room in the inbox
 
     async def send_eof(self) -> None:
         """:meth:`RankChannel.send_eof`."""
@@ -295,7 +370,11 @@ class Conversation:
         the socket, and stays receivable once the transport is released.
         """
         while not self._ended:
-            frame = self._link.frame_now()
+            try:
+                frame = self._link.frame_now()
+            except FrameError as exc:
+                self._break(exc)
+                break
             if frame is False:
                 break
             self._take(frame if isinstance(frame, tuple) else None)
@@ -421,14 +500,27 @@ class Conversation:
         if self._ended:
             return
         frame: tuple[int, bytes | bytearray] | object | None = _NOTHING_YET
-        if self._link.queued:  # what a cancelled send left: keep it moving
-            self._write_now()
-            with anyio.move_on_after(_RETRY_WRITE):
+        try:
+            if self._link.queued:  # what a cancelled send left: keep it moving
+                self._write_now()
+                with anyio.move_on_after(_RETRY_WRITE):
+                    frame = await self._link.receive_frame()
+            else:
                 frame = await self._link.receive_frame()
-        else:
-            frame = await self._link.receive_frame()
+        except FrameError as exc:
+            self._break(exc)
+            return
         if frame is not _NOTHING_YET:
             self._take(frame if isinstance(frame, tuple) else None)
+
+    def _break(self, error: FrameError) -> None:
+        """The rank sent a frame that breaks the format: read nothing more, report it."""
+        if self.broken is None:
+            self.broken = BrokenChannel(
+                rank=self.rank, pid=self._handle.pid or 0, reason=str(error)
+            )
+            self.release()
+            self._on_broken(self._handle, self.broken)
 
     def _take(self, frame: tuple[int, bytes | bytearray] | None) -> None:
         """Sort one frame (None: the end of the stream); nothing is decoded here."""
@@ -455,6 +547,8 @@ class Conversation:
         """Raise how the stream ended: EndOfStream, or the rank's failure."""
         if self._closed:
             raise anyio.ClosedResourceError
+        if self.broken is not None:
+            raise self.broken.exception()
         if not self._rank_closed:
             exit = await self._handle.wait()
             if not exit.succeeded:

@@ -161,6 +161,9 @@ class AsyncProcessContext(Generic[T]):
             TimeoutError: ``timeout`` passed; the message names the ranks
                 that are not ready. The group keeps running.
             ProcessException: A rank failed before every rank was ready.
+            pickle.UnpicklingError: A rank's payload cannot be unpickled here
+                (the lowest such rank's; its cause is what the unpickling
+                raised, ``SystemExit`` included). The group keeps running.
             RuntimeError: A rank returned before it was ready, or the backend
                 has no channels.
             ValueError: ``timeout`` is negative.
@@ -183,7 +186,8 @@ class AsyncProcessContext(Generic[T]):
         """Call ``handler.method(*args, **kwargs)`` on every rank (or on ``ranks``) at once.
 
         Each rank answers with the handler it passed to ``aiospawn.serve()``.
-        Arguments and results are pickled; the request is pickled once.
+        Arguments and results are pickled; the request is pickled once. Each
+        rank is called once: ``ranks`` must not name a rank twice.
 
         Returns:
             The results, in the order of ``ranks`` (rank order by default).
@@ -193,7 +197,12 @@ class AsyncProcessContext(Generic[T]):
                 rank), with a note naming the rank and one holding the rank's
                 traceback. The group is not failed, and the ranks go on serving.
             ProcessException: A rank failed (exited badly, was killed or
-                stopped) before it answered; raised at once.
+                stopped, or broke its channel) before it answered; raised at once.
+            pickle.UnpicklingError: A rank's answer cannot be unpickled here
+                (the lowest such rank's; its cause is what the unpickling
+                raised, ``SystemExit`` included). The ranks go on serving. (An
+                argument the rank cannot unpickle is the rank's error, raised
+                as a handler's.)
             anyio.BrokenResourceError: A rank ended, or closed its channel,
                 without answering.
             anyio.ClosedResourceError: A rank's channel was closed here
@@ -203,8 +212,9 @@ class AsyncProcessContext(Generic[T]):
                 ranks that did not answer.
             TypeError: The arguments cannot be pickled, or ``ranks`` is not
                 a sequence of ranks.
-            ValueError: ``ranks`` names a rank outside the group, or
-                ``timeout`` is negative.
+            ValueError: ``ranks`` names a rank outside the group, or one rank
+                twice; the arguments pickle to more than a frame carries
+                (1 GiB); or ``timeout`` is negative. Nothing was sent.
 
         Cancellation:
             Safe: answers that arrive later are dropped, never delivered to a

@@ -183,6 +183,15 @@ def hung_message(
     return f"{message}\nits threads' Python stacks when it was found hung:\n\n{stack}"
 
 
+def broken_channel_message(rank: int, pid: int, reason: str) -> str:
+    """The message of the :class:`ProcessException` of a rank whose channel carried a bad frame."""
+    return (
+        f"process {rank} (pid {pid}) broke its channel: it sent {reason}; aiospawn stopped it."
+        " Only aiospawn writes to a rank's channel: code in the rank that writes to the"
+        " channel's descriptor itself (or closes it and reuses its number) breaks it"
+    )
+
+
 def raised_message(rank: int, traceback_text: str) -> str:
     """The message of a :class:`ProcessRaisedException`, as torch formats it."""
     return f"\n\n-- Process {rank} terminated with the following error:\n{traceback_text}"

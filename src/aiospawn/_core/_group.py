@@ -74,7 +74,15 @@ from ._events import (
     Terminating,
 )
 from ._log import logger
-from ._outcome import Hang, RankExit, decode_results, group_error, rebuild_raised
+from ._outcome import (
+    BrokenChannel,
+    Failure,
+    Hang,
+    RankExit,
+    decode_results,
+    group_error,
+    rebuild_raised,
+)
 from ._policy import Supervision
 from ._restarts import GiveUp, GroupView, PendingRestart, RestartTracker
 from ._shutdown import Shutdown
@@ -126,9 +134,11 @@ class Group(Generic[T]):
         self._last_exits: list[Exited | None] = [None] * spec.nprocs
         self._started = anyio.Event()
         self._starting: anyio.Event | None = None  # set when a restart's start finishes
-        self._root: RankExit | Hang | None = None
+        self._root: Failure | None = None
         self._restart_error: Exception | None = None
-        self._hung: set[RankHandle] = set()  # attempts found hung
+        # Attempts found failed while they ran (hung, or they broke their
+        # channel): we stop them, and their exit is never the cause.
+        self._faulty: set[RankHandle] = set()
         self._probing: set[RankHandle] = set()  # attempts whose stacks are being taken
         self._shutdown: Shutdown | None = None
         self._shutdown_done = anyio.Event()
@@ -190,7 +200,7 @@ class Group(Generic[T]):
                 state = "exited" if self._finished() else "starting"
             elif rank.exit is not None:
                 state = "exited"
-            elif self._shutdown is not None or rank in self._hung or index in pending:
+            elif self._shutdown is not None or rank in self._faulty or index in pending:
                 state = "stopping"
             else:
                 state = "running"
@@ -277,7 +287,12 @@ class Group(Generic[T]):
                 "the group ended before every rank called aiospawn.ready(): rank(s)"
                 f" {', '.join(str(rank.rank) for rank in unready)} returned first"
             )
-        return [await decode(self._channels[rank].ready_payload or b"") for rank in self._ranks]
+        return [
+            await decode(
+                self._channels[rank].ready_payload or b"", f"rank {rank.rank}'s ready payload"
+            )
+            for rank in self._ranks
+        ]
 
     def _unready(self) -> list[RankHandle]:
         """The current attempts that have not called ``ready()``, as far as can be read now."""
@@ -299,6 +314,21 @@ class Group(Generic[T]):
             self.events.append(Ready(rank=rank.rank, pid=rank.pid))
         self._changed.notify()
 
+    def _on_broken(self, rank: RankHandle, broken: BrokenChannel) -> None:
+        """``rank`` sent a frame that breaks the format: it has failed, as a hung rank has."""
+        current = rank is self._ranks[rank.rank] and rank not in self._faulty
+        if not current or rank.exit is not None or self._shutdown is not None:
+            # A past attempt, one whose exit is recorded already, or a group
+            # being stopped anyway (as for a hang found then): the channel's
+            # readers get the error; the group reports what it reports.
+            return
+        logger.warning(
+            "Rank %d (pid %d) broke its channel: it sent %s", rank.rank, broken.pid, broken.reason
+        )
+        self._faulty.add(rank)
+        self._failed(broken)
+        self._changed.notify()
+
     async def call(
         self,
         method: str,
@@ -310,6 +340,14 @@ class Group(Generic[T]):
         """``AsyncProcessContext.call()``, its arguments checked."""
         targets = list(range(len(self._ranks))) if ranks is None else list(ranks)
         channels = {index: self._conversation(index) for index in targets}
+        if len(channels) < len(targets):
+            # One answer per rank: a rank named twice would be asked once and
+            # its answer returned twice, or asked twice with no order between.
+            twice = sorted({index for index in targets if targets.count(index) > 1})
+            raise ValueError(
+                f"ranks must name each rank once, got {ranks!r}"
+                f" (rank(s) {', '.join(map(str, twice))} more than once)"
+            )
         request = await encode((method, args, kwargs))
         call_id = next(self._call_ids)
         replies: dict[int, bytes | bytearray] = {}
@@ -335,7 +373,10 @@ class Group(Generic[T]):
                 f"ctx.call({method!r}): rank(s) {', '.join(map(str, missing))} did not"
                 f" answer within {timeout:g} s"
             )
-        answers = {index: await decode(replies[index]) for index in targets}
+        answers = {
+            index: await decode(replies[index], f"rank {index}'s answer to ctx.call({method!r})")
+            for index in sorted(targets)  # the lowest rank's error, if several
+        }
         raised = sorted(index for index, (ok, _) in answers.items() if not ok)
         if raised:
             error = rebuild_raised(answers[raised[0]][1])
@@ -436,7 +477,7 @@ class Group(Generic[T]):
         self._last_exits[exit.rank] = exited
         self.events.append(exited)
         self._exits_seen += 1
-        if not exit.stopped_by_us and handle not in self._hung:
+        if not exit.stopped_by_us and handle not in self._faulty:
             policy = self._supervision.restart
             if not exit.succeeded or (policy is not None and policy.on == "any"):
                 self._failed(exit)
@@ -445,7 +486,7 @@ class Group(Generic[T]):
         self._close_if_over()
         self._changed.notify()
 
-    def _failed(self, failure: RankExit | Hang) -> None:
+    def _failed(self, failure: Failure) -> None:
         """Restart as the policy allows, or make ``failure`` the group's root cause."""
         if self._root is not None:
             return
@@ -485,7 +526,7 @@ class Group(Generic[T]):
             str(failure.exception()).strip("\n"),
         )
 
-    def _give_up(self, failure: RankExit | Hang) -> None:
+    def _give_up(self, failure: Failure) -> None:
         self._root = failure
         self._drop_pending()
         if self._body is not None:  # an async with block runs: stop it now
@@ -675,7 +716,7 @@ class Group(Generic[T]):
         self._release_channels(self._ranks[rank.rank] for rank in fresh)
         for rank in fresh:
             self._channels.pop(self._ranks[rank.rank], None)
-            self._hung.discard(self._ranks[rank.rank])
+            self._faulty.discard(self._ranks[rank.rank])
             self._restarts[rank.rank] += 1
             self._ranks[rank.rank] = rank
         self._starting = starting = anyio.Event()
@@ -701,13 +742,13 @@ class Group(Generic[T]):
         for rank in made:
             if rank.link is not None:
                 channel = self._channels[rank] = Conversation(
-                    rank, rank.link, self._on_ready, lambda: self._supervisor.busy
+                    rank, rank.link, self._on_ready, lambda: self._supervisor.busy, self._on_broken
                 )
                 if self._channels_closed:
                     channel.close_sending()
         return made
 
-    def _failed_restart(self, failure: RankExit | Hang, error: Exception | None) -> None:
+    def _failed_restart(self, failure: Failure, error: Exception | None) -> None:
         """A restart could not happen: the failure it answered is the group's root cause."""
         if self._root is None:
             self._restart_error = error
@@ -758,7 +799,7 @@ class Group(Generic[T]):
             started = self._last_starts[rank.rank]
             if not rank.started or rank.exit is not None or started is None:
                 continue
-            stopping = rank in self._hung or rank in self._probing or rank.rank in restarting
+            stopping = rank in self._faulty or rank in self._probing or rank.rank in restarting
             watched.append(
                 Watched(
                     rank=rank.rank,
@@ -779,7 +820,7 @@ class Group(Generic[T]):
             self._probing.discard(rank)
         if rank.exit is not None or self._shutdown is not None:
             return  # it exited meanwhile, and that exit was reported as any other
-        self._hung.add(rank)
+        self._faulty.add(rank)
         seconds = overdue.seconds
         self.events.append(Hung(rank=rank.rank, pid=pid, seconds=seconds, stack=stack))
         hang = Hang(
@@ -824,8 +865,8 @@ class Group(Generic[T]):
                 while self._starting is not None:  # a restart is starting ranks
                     await self._starting.wait()
                 started = [rank for rank in self._ranks if rank.started]
-                hung = [rank for rank in started if rank in self._hung]
-                self._stuck += await shutdown.run(started, at_once=hung)
+                faulty = [rank for rank in started if rank in self._faulty]
+                self._stuck += await shutdown.run(started, at_once=faulty)
                 self._release_channels(self._ranks)
                 await self._launcher.aclose()
             finally:

@@ -1,6 +1,7 @@
 """How ranks ended: each rank's outcome, the group's exception, the group's results.
 
-:class:`RankExit` (an exit) and :class:`Hang` (a hang found by heartbeats)
+:class:`RankExit` (an exit), :class:`Hang` (a hang found by heartbeats) and
+:class:`BrokenChannel` (a rank's channel carried a frame that breaks its format)
 each build the exception that reports them; :func:`group_error` builds the one
 ``join()`` raises for the whole group, from its root cause or, after
 ``terminate()``, the lowest rank stopped; :func:`decode_results` unpickles
@@ -31,6 +32,7 @@ from ._errors import (
     ProcessHungException,
     ProcessRaisedException,
     RemoteTraceback,
+    broken_channel_message,
     exited_message,
     hung_message,
     raised_message,
@@ -208,6 +210,37 @@ class Hang:
         return ProcessHungException(message, self.rank, self.pid, self.seconds, self.stack)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BrokenChannel:
+    """A rank whose channel carried a frame that breaks the format, found while it ran.
+
+    The supervisor reads nothing more from that channel, and stops the rank as
+    it stops a hung one.
+
+    Attributes:
+        rank: The rank's index.
+        pid: Its process id.
+        reason: What was wrong: ``"a frame of unknown kind 255 (...)"``.
+    """
+
+    rank: int
+    pid: int
+    reason: str
+
+    def summary(self) -> str:
+        """``"broken channel"``."""
+        return "broken channel"
+
+    def exception(self) -> ProcessException:
+        """Build a fresh exception naming the rank and what was wrong."""
+        message = broken_channel_message(self.rank, self.pid, self.reason)
+        return ProcessException(message, self.rank, self.pid)
+
+
+#: A failure that can end a group: an exit, or one the supervisor found in a running rank.
+Failure = RankExit | Hang | BrokenChannel
+
+
 def _loads_raised(payload: bytes | bytearray) -> tuple[bytes | None, str, str]:
     """``(exception_pickle, type_name, text)`` from a RAISED payload, or a stand-in."""
     try:
@@ -247,7 +280,7 @@ def _rebuild(exc_pickle: bytes | None, type_name: str, text: str) -> BaseExcepti
 
 
 def group_error(
-    root: RankExit | Hang | None,
+    root: Failure | None,
     exits: Sequence[RankExit | None],
     *,
     stuck: Sequence[tuple[int, int | None]] = (),

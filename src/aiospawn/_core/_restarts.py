@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ._backend import RankHandle
-from ._outcome import Hang, RankExit
+from ._outcome import Failure, RankExit
 from ._policy import RestartPolicy, RestartRecord
 
 #: Failures kept beyond those inside the restart window, for the report.
@@ -129,7 +129,7 @@ class PendingRestart:
     slots: list[int]
     due: float
     stop: list[RankHandle]
-    failure: RankExit | Hang
+    failure: Failure
     announced: bool = False
 
 
@@ -153,7 +153,7 @@ class RestartTracker:
     _failures: int = 0
 
     def on_failure(
-        self, failure: RankExit | Hang, attempt: int, view: GroupView, now: float, wall_time: float
+        self, failure: Failure, attempt: int, view: GroupView, now: float, wall_time: float
     ) -> Restart | GiveUp | None:
         """Decide (see :func:`decide`) and record what follows ``failure``.
 
@@ -203,7 +203,7 @@ class RestartTracker:
             f" failures within {policy.window:g} s; {which}, oldest first:\n{lines}"
         )
 
-    def _record(self, failure: RankExit | Hang, attempt: int, now: float, wall_time: float) -> None:
+    def _record(self, failure: Failure, attempt: int, now: float, wall_time: float) -> None:
         assert self.policy is not None
         record = RestartRecord(
             rank=failure.rank,

@@ -14,7 +14,7 @@ import socket
 import anyio
 from anyio.lowlevel import checkpoint
 
-from aiospawn._rank.wire import ChildEnd, FrameQueue, FrameReader
+from aiospawn._rank.wire import FROM_RANK, ChildEnd, FrameQueue, FrameReader
 
 from . import _pipes
 
@@ -35,12 +35,16 @@ class SocketLink:
     def __init__(self, fd: int) -> None:
         os.set_blocking(fd, False)
         self._fd: int | None = fd
-        self._reader = FrameReader()
+        self._reader = FrameReader(FROM_RANK)
         self._budget_spent = False  # frame_now() stopped for the loop's sake, not for data
         self._out = FrameQueue()
 
     async def receive_frame(self) -> tuple[int, bytes | bytearray] | None:
-        """The next frame, or None at the end of the stream; cancellation-safe."""
+        """The next frame, or None at the end of the stream; cancellation-safe.
+
+        Raises:
+            FrameError: The rank sent a header that breaks the format.
+        """
         while True:
             frame = self.frame_now()
             if frame is not False:
@@ -59,7 +63,12 @@ class SocketLink:
                 return None
 
     def frame_now(self) -> tuple[int, bytes | bytearray] | bool | None:
-        """The next frame if it can be read without waiting; None at the end, else False."""
+        """The next frame if it can be read without waiting; None at the end, else False.
+
+        Raises:
+            FrameError: The rank sent a header that breaks the format (checked
+                as the header completes: none of its payload is read).
+        """
         budget = _READ_BUDGET
         while budget > 0:
             fd = self._fd
@@ -76,7 +85,7 @@ class SocketLink:
             self._reader.feed(data)
             frame = self._reader.frame()
             if frame is not None:
-                self._reader = FrameReader()
+                self._reader = FrameReader(FROM_RANK)
                 return frame
             budget -= len(data)
         self._budget_spent = True

@@ -66,6 +66,7 @@ def ready(payload: Any = None) -> None:
 
     Raises:
         TypeError: ``payload`` cannot be pickled.
+        ValueError: ``payload`` pickles to more than a channel frame carries (1 GiB).
     """
     global _ready
     frames = _frames

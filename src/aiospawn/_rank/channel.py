@@ -17,6 +17,11 @@ of frame, frames of the other kinds that arrive are kept, in order: a message
 that comes while ``serve()`` waits for a call is there for the next
 ``receive()``, a call that comes during ``receive()`` for the next ``serve()``.
 
+Pickles are user code both ways: whatever pickling or unpickling raises,
+``SystemExit`` and ``KeyboardInterrupt`` included, is that object's error
+(``TypeError`` to send, ``pickle.UnpicklingError`` to receive; for a call,
+its error sent back to the caller), never the end of the rank's ``serve()``.
+
 Cancellation (async ranks): a frame is queued whole before its first byte is
 written. A task cancelled while the socket is full leaves the rest of its
 frame queued; it goes out before anything sent after it, and at the latest
@@ -37,7 +42,18 @@ import pickle
 import select
 import time
 
-from .wire import CALL_ID, FrameQueue, FrameReader, Link, encode_exception, from_fn
+from . import wire
+from .wire import (
+    CALL_ID,
+    TO_RANK,
+    FrameError,
+    FrameQueue,
+    FrameReader,
+    Link,
+    describe,
+    encode_exception,
+    from_fn,
+)
 
 # For the checker only: a rank never imports typing (the package's import rule).
 TYPE_CHECKING = False
@@ -56,13 +72,15 @@ class _Frames:
         os.set_blocking(fd, False)
         self._identity = _identity(fd)
         self._out = FrameQueue()
-        self._reader = FrameReader()
+        self._reader = FrameReader(TO_RANK)
         self.messages: collections.deque[bytes | bytearray] = collections.deque()
         self.calls: collections.deque[bytes | bytearray] = collections.deque()
         #: Held by a thread of a sync rank while it queues and writes a frame.
         self.sending = _thread.allocate_lock()
         #: True once the supervisor closed its end (a CLOSE frame, or end of file).
         self.peer_closed = False
+        #: What was wrong with a frame that broke the format, if one did.
+        self.broken: str | None = None
         self.closed = False
 
     def queue(self, kind: int, payload: bytes) -> None:
@@ -96,11 +114,16 @@ class _Frames:
             if not data:
                 self.peer_closed = True
                 return
-            self._reader.feed(data)
+            try:
+                self._reader.feed(data)
+            except FrameError as exc:  # nothing more can be read: as if closed
+                self.broken = str(exc)
+                self.peer_closed = True
+                return
             frame = self._reader.frame()
             if frame is None:
                 continue
-            self._reader = FrameReader()
+            self._reader = FrameReader(TO_RANK)
             kind, payload = frame
             if kind == Link.MESSAGE:
                 self.messages.append(payload)
@@ -134,30 +157,70 @@ class _Frames:
 
 
 def encode(obj: Any) -> bytes:
-    """Pickle ``obj`` for a frame; a failure is a TypeError naming what could not go."""
+    """Pickle ``obj`` for a frame.
+
+    Raises:
+        TypeError: ``obj`` cannot be pickled (whatever its pickling raised,
+            ``SystemExit`` included, is the cause).
+        ValueError: Its pickle is larger than a frame carries.
+    """
     try:
-        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as exc:
-        raise TypeError(f"cannot send {type(obj).__qualname__} over the channel: {exc}") from exc
+        payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    except BaseException as exc:  # a __reduce__ may raise SystemExit: still obj's error
+        error = TypeError(f"cannot send {type(obj).__qualname__} over the channel: {_raised(exc)}")
+        raise error from exc
+    wire.check_size(len(payload))
+    return payload
+
+
+def decode(payload: bytes | bytearray | memoryview, what: str) -> Any:
+    """Unpickle a frame's payload.
+
+    Raises:
+        pickle.UnpicklingError: It cannot be unpickled; its cause is what the
+            unpickling raised, whatever it was (``SystemExit`` too).
+    """
+    try:
+        return pickle.loads(payload)
+    except BaseException as exc:  # the pickle's own code raised: its error, not the rank's end
+        raise pickle.UnpicklingError(f"{what} cannot be unpickled: {_raised(exc)}") from exc
+
+
+def _raised(exc: BaseException) -> str:
+    """``"SystemExit: 3"``: what the pickle's own code raised."""
+    name, text = type(exc).__qualname__, describe(exc)
+    return name if text == name else f"{name}: {text}"
 
 
 def _reply(call_id: int, ok: bool, value: Any) -> bytes:
     if ok:
         try:
             answer = pickle.dumps((True, value), protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as exc:
-            error = TypeError(f"the handler's return value cannot be pickled: {exc}")
+        except BaseException as exc:  # a __reduce__ may raise SystemExit: still this answer's
+            error: Exception = TypeError(
+                f"the handler's return value cannot be pickled: {_raised(exc)}"
+            )
             error.__cause__ = exc
             value = error
         else:
-            return CALL_ID.pack(call_id) + answer
+            try:
+                wire.check_size(len(answer))
+            except ValueError as exc:
+                value = ValueError(f"the handler's return value cannot be sent: {exc}")
+            else:
+                return CALL_ID.pack(call_id) + answer
     return CALL_ID.pack(call_id) + pickle.dumps((False, encode_exception(value)))
 
 
-def _request(call: bytes | bytearray) -> tuple[int, str, tuple[Any, ...], dict[str, Any]]:
+def _split(call: bytes | bytearray) -> tuple[int, memoryview]:
+    """``(call_id, request pickle)`` of a CALL frame (its size was checked as it was read)."""
     (call_id,) = CALL_ID.unpack_from(call)
-    method, args, kwargs = pickle.loads(memoryview(call)[CALL_ID.size :])
-    return call_id, method, args, kwargs
+    return call_id, memoryview(call)[CALL_ID.size :]
+
+
+def _request(request: memoryview) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
+    method, args, kwargs = decode(request, "the call's method and arguments")
+    return method, args, kwargs
 
 
 def _lookup(handler: Any, method: str) -> Any:
@@ -183,6 +246,7 @@ class Channel:
 
         Raises:
             TypeError: ``obj`` cannot be pickled.
+            ValueError: ``obj`` pickles to more than a frame carries (1 GiB).
             BrokenPipeError: The supervisor closed its end (``aclose()``).
             OSError: The channel was closed by this rank.
         """
@@ -196,10 +260,13 @@ class Channel:
 
         Raises:
             EOFError: The supervisor closed its end and every message was received.
+            pickle.UnpicklingError: The next message cannot be unpickled here
+                (its cause says why); it is dropped, and the next call gets the
+                one after it.
             OSError: The channel was closed by this rank.
         """
         with self._receiving:
-            return pickle.loads(self._next(self._frames.messages))
+            return decode(self._next(self._frames.messages), "a message from the supervisor")
 
     def __iter__(self) -> Iterator[Any]:
         """Yield messages until the supervisor closes its end."""
@@ -220,8 +287,9 @@ class Channel:
                     call = self._next(self._frames.calls)
                 except EOFError:
                     return
-                call_id, method, args, kwargs = _request(call)
+                call_id, request = _split(call)
                 try:
+                    method, args, kwargs = _request(request)
                     value, ok = _lookup(handler, method)(*args, **kwargs), True
                 except Exception as exc:
                     value, ok = from_fn(exc), False
@@ -244,7 +312,7 @@ class Channel:
             if kept:
                 return kept.popleft()
             if frames.peer_closed:
-                raise EOFError("the supervisor closed this rank's channel")
+                raise _end(frames)
             frames.read_some()
             if not kept and not frames.peer_closed:
                 frames.wait(False)
@@ -269,6 +337,7 @@ class AsyncChannel:
 
         Raises:
             TypeError: ``obj`` cannot be pickled.
+            ValueError: ``obj`` pickles to more than a frame carries (1 GiB).
             OSError: The channel was closed by this rank.
 
         Cancellation:
@@ -288,6 +357,9 @@ class AsyncChannel:
 
         Raises:
             EOFError: The supervisor closed its end and every message was received.
+            pickle.UnpicklingError: The next message cannot be unpickled here
+                (its cause says why); it is dropped, and the next call gets the
+                one after it.
             OSError: The channel was closed by this rank.
         """
         self._claim("_receiver", "receive")
@@ -295,7 +367,7 @@ class AsyncChannel:
             payload = await self._next(self._frames.messages)
         finally:
             self._receiver = None
-        return pickle.loads(payload)
+        return decode(payload, "a message from the supervisor")
 
     def __aiter__(self) -> AsyncIterator[Any]:
         return self._messages()
@@ -317,8 +389,9 @@ class AsyncChannel:
                     call = await self._next(self._frames.calls)
                 except EOFError:
                     return
-                call_id, method, args, kwargs = _request(call)
+                call_id, request = _split(call)
                 try:
+                    method, args, kwargs = _request(request)
                     value = _lookup(handler, method)(*args, **kwargs)
                     if hasattr(value, "__await__"):
                         value = await value
@@ -372,7 +445,7 @@ class AsyncChannel:
             if kept:
                 return kept.popleft()
             if frames.peer_closed:
-                raise EOFError("the supervisor closed this rank's channel")
+                raise _end(frames)
             frames.read_some()
             if not kept and not frames.peer_closed:
                 await self._wait(write=False)
@@ -404,6 +477,15 @@ class AsyncChannel:
                 loop.remove_writer(fd)
             else:
                 loop.remove_reader(fd)
+
+
+def _end(frames: _Frames) -> Exception:
+    """What a read past the end of the supervisor's stream raises."""
+    if frames.broken is not None:
+        return ConnectionError(
+            f"this rank's channel is broken: the supervisor sent {frames.broken}"
+        )
+    return EOFError("the supervisor closed this rank's channel")
 
 
 def _identity(fd: int) -> tuple[int, int] | None:

@@ -86,6 +86,57 @@ class Link:
     CLOSE: Final = 5
 
 
+#: The largest payload of a channel frame, either way: 1 GiB. A sender refuses
+#: a larger object (``ValueError``); a receiver reads a header that announces
+#: more as a broken channel, and nothing of its payload. It bounds what a rank
+#: whose channel carries garbage can make its supervisor buffer.
+MAX_FRAME_BYTES = 1 << 30
+
+#: ``kind: (smallest, largest payload)`` of the frames a rank may send on its
+#: channel; ``None`` stands for :data:`MAX_FRAME_BYTES`. A REPLY starts with its
+#: :data:`CALL_ID`; a CLOSE is empty.
+FROM_RANK: dict[int, tuple[int, int | None]] = {
+    Link.MESSAGE: (0, None),
+    Link.READY: (0, None),
+    Link.REPLY: (CALL_ID.size, None),
+    Link.CLOSE: (0, 0),
+}
+#: The same, for the frames the supervisor may send to a rank.
+TO_RANK: dict[int, tuple[int, int | None]] = {
+    Link.MESSAGE: (0, None),
+    Link.CALL: (CALL_ID.size, None),
+    Link.CLOSE: (0, 0),
+}
+
+_LINK_NAMES = {
+    Link.MESSAGE: "MESSAGE",
+    Link.READY: "READY",
+    Link.CALL: "CALL",
+    Link.REPLY: "REPLY",
+    Link.CLOSE: "CLOSE",
+}
+
+
+class FrameError(ValueError):
+    """A frame header that breaks the channel's format: an unknown kind, or a size out of range.
+
+    Raised by :meth:`FrameReader.feed`; the stream cannot be read past it.
+    """
+
+
+def check_size(size: int) -> None:
+    """Refuse to send a payload of ``size`` bytes beyond :data:`MAX_FRAME_BYTES`.
+
+    Raises:
+        ValueError: It is larger.
+    """
+    if size > MAX_FRAME_BYTES:
+        raise ValueError(
+            f"the pickle is {size} bytes, more than a channel frame carries"
+            f" ({MAX_FRAME_BYTES} bytes): send it in parts, or through a file"
+        )
+
+
 #: A payload up to this size is copied behind its header and written with it.
 JOIN_BYTES = 64 * 1024
 
@@ -180,9 +231,15 @@ class FrameReader:
     The payload grows in one buffer as chunks come, so that a large frame is
     never copied whole in one step (a join at its end, or zero-filling a
     buffer of its full size up front): the reader runs on the event loop.
+
+    Args:
+        sizes: The kinds this reader accepts, each with its payload's bounds
+            (:data:`FROM_RANK`, :data:`TO_RANK`); ``None`` accepts any frame
+            (the outcome frame, whose size only the rank's result bounds).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, sizes: dict[int, tuple[int, int | None]] | None = None) -> None:
+        self._sizes = sizes
         self._header = bytearray()
         self._kind: int | None = None
         self._size = 0
@@ -201,7 +258,12 @@ class FrameReader:
         return self._size - len(self._payload)
 
     def feed(self, data: bytes) -> None:
-        """Add bytes read from the pipe (at most :attr:`wanted` at a time)."""
+        """Add bytes read from the pipe (at most :attr:`wanted` at a time).
+
+        Raises:
+            FrameError: The header completed by ``data`` is not one this reader
+                accepts; the reader takes nothing more.
+        """
         view = memoryview(data)
         if self._kind is None:
             taken = HEADER.size - len(self._header)
@@ -209,8 +271,30 @@ class FrameReader:
             view = view[taken:]
             if len(self._header) < HEADER.size:
                 return
-            self._kind, self._size = HEADER.unpack(self._header)
+            kind, size = HEADER.unpack(self._header)
+            if self._sizes is not None:
+                self._check(kind, size)
+            self._kind, self._size = kind, size
         self._payload += view
+
+    def _check(self, kind: int, size: int) -> None:
+        assert self._sizes is not None
+        bounds = self._sizes.get(kind)
+        if bounds is None:
+            raise FrameError(
+                f"a frame of unknown kind {kind} (its header: {bytes(self._header).hex(' ')})"
+            )
+        low, high = bounds
+        name = _LINK_NAMES[kind]
+        if high == 0 and size != 0:
+            raise FrameError(f"a {name} frame of {size} bytes (a {name} frame is empty)")
+        if size < low:
+            raise FrameError(f"a {name} frame of {size} bytes, shorter than its {low}-byte call id")
+        if size > (MAX_FRAME_BYTES if high is None else high):
+            raise FrameError(
+                f"a {name} frame of {size} bytes, more than a channel frame carries"
+                f" ({MAX_FRAME_BYTES} bytes)"
+            )
 
     def frame(self) -> tuple[int, bytes | bytearray] | None:
         """Return ``(kind, payload)`` once complete, else ``None``.
@@ -246,7 +330,7 @@ def encode_value(value: Any) -> Outcome:
     try:
         payload = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
     except BaseException as exc:  # a __reduce__ may raise SystemExit: still this frame
-        error = TypeError(f"the value returned by the rank cannot be pickled: {_describe(exc)}")
+        error = TypeError(f"the value returned by the rank cannot be pickled: {describe(exc)}")
         error.__cause__ = exc
         return Kind.RAISED, encode_exception(error), 1
     return Kind.RETURNED, payload, 0
@@ -288,7 +372,7 @@ def encode_exception(exc: BaseException, text: str | None = None) -> bytes:
         try:
             text = "".join(traceback.format_exception(exc))
         except BaseException as failure:  # the exception's own code raised (__str__)
-            text = f"{type_name} (its traceback cannot be formatted: {_describe(failure)})\n"
+            text = f"{type_name} (its traceback cannot be formatted: {describe(failure)})\n"
     # Whatever the exception's own code raises while it is pickled, SystemExit
     # and KeyboardInterrupt included, the frame still goes out with the text:
     # otherwise the supervisor would see only "exit code 1".
@@ -299,7 +383,7 @@ def encode_exception(exc: BaseException, text: str | None = None) -> bytes:
     return pickle.dumps((exc_pickle, type_name, text))
 
 
-def _describe(exc: BaseException) -> str:
+def describe(exc: BaseException) -> str:
     """``str(exc)``, or its type's name if even that raises."""
     try:
         return str(exc) or type(exc).__qualname__

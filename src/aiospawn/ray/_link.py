@@ -25,7 +25,7 @@ from typing import Any
 import anyio
 from anyio.lowlevel import checkpoint
 
-from aiospawn._rank.wire import HEADER, FrameReader
+from aiospawn._rank.wire import FROM_RANK, HEADER, FrameReader
 
 from ._bridge import threadsafe
 from ._relay import CHUNK, TAKE_WAIT
@@ -46,7 +46,7 @@ class RayLink:
         self._closed = False
         # Incoming: chunks pulled and not yet parsed, the frame being parsed.
         self._pulled: collections.deque[memoryview] = collections.deque()
-        self._reader = FrameReader()
+        self._reader = FrameReader(FROM_RANK)
         self._pull: Future[Any] | None = None
         self._ended = False  # the board said the upward stream is over
         self._end_asked = False
@@ -66,7 +66,11 @@ class RayLink:
     # ------------------------------------------------------------- incoming
 
     async def receive_frame(self) -> tuple[int, bytes | bytearray] | None:
-        """The next frame, or None at the end of the stream; cancellation-safe."""
+        """The next frame, or None at the end of the stream; cancellation-safe.
+
+        Raises:
+            FrameError: The rank sent a header that breaks the format.
+        """
         while True:
             changed = self._changed
             frame = self.frame_now()
@@ -77,7 +81,11 @@ class RayLink:
             await changed.wait()
 
     def frame_now(self) -> tuple[int, bytes | bytearray] | bool | None:
-        """The next frame if it can be read without waiting; None at the end, else False."""
+        """The next frame if it can be read without waiting; None at the end, else False.
+
+        Raises:
+            FrameError: The rank sent a header that breaks the format.
+        """
         while True:
             if self._closed:
                 return None
@@ -103,7 +111,7 @@ class RayLink:
                 self._pulled[0] = head[taken:]
             frame = reader.frame()
             if frame is not None:
-                self._reader = FrameReader()
+                self._reader = FrameReader(FROM_RANK)
                 return frame
         return None
 
