@@ -40,6 +40,10 @@ parallel starts, which aiospawn does not need: its starts are always
 concurrent), ``fn(rank, *args)``, ``join()`` returning False after each clean
 exit while ranks remain, the shutdown escalation and its WARNING logs (on the
 ``aiospawn`` logger), and the exception messages. What it fixes: see the README.
+The rest of ``torch.multiprocessing``'s names (``multiprocessing``'s, and
+torch's sharing strategies) are found on first use by the module's
+``__getattr__`` (``aiospawn._torch_mp``), which imports torch only for a name
+of torch's own.
 """
 
 from __future__ import annotations
@@ -56,10 +60,11 @@ import types
 import warnings
 from collections.abc import Awaitable, Callable, Sequence
 from types import FrameType
-from typing import Any, Literal, TypeVar, TypeVarTuple, cast, overload
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, TypeVarTuple, cast, overload
 
 import anyio
 
+from . import _torch_mp
 from ._api import start_processes as _start_group_async
 from ._api import warn_spawn_only
 from ._core._context import AsyncProcessContext, group_of
@@ -76,6 +81,10 @@ __all__ = [
     "spawn",
     "start_processes",
 ]
+
+if TYPE_CHECKING:
+    # The stand-in's names for the checker: found by __getattr__ at run time.
+    from multiprocessing import *  # noqa: F403
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
@@ -999,3 +1008,12 @@ def _running_event_loop() -> str | None:
         else:
             return "trio"
     return None
+
+
+def __getattr__(name: str) -> Any:
+    """The rest of ``torch.multiprocessing``'s names, found on first use (see ``_torch_mp``)."""
+    return _torch_mp.lookup(__name__, name)
+
+
+def __dir__() -> list[str]:
+    return sorted(globals().keys() | _torch_mp.names())
