@@ -6,6 +6,7 @@ also the send storm that the local and the Ray channel tests both run.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -174,3 +175,31 @@ async def send_storm(
     assert set(completed) <= set(echoed)
     assert completed, "every send was cancelled: the storm tested nothing"
     return completed, echoed
+
+
+class Recorder(logging.Handler):
+    """A logging handler that keeps every record it is handed."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@contextmanager
+def recorders(*names: str) -> Iterator[dict[str, Recorder]]:
+    """A :class:`Recorder` on each named logger ("" is the root), removed afterwards.
+
+    Unlike pytest's ``caplog``, whose handler is the root logger's, this shows
+    which loggers a record reached, as ``assertLogs("torch")`` in torch's tests does.
+    """
+    attached = {name: Recorder() for name in names}
+    for name, handler in attached.items():
+        logging.getLogger(name or None).addHandler(handler)
+    try:
+        yield attached
+    finally:
+        for name, handler in attached.items():
+            logging.getLogger(name or None).removeHandler(handler)

@@ -37,7 +37,7 @@ import aiospawn.sync as sync
 from aiospawn._core._context import group_of
 from aiospawn._local._rank import LocalRank
 from tests import ranks, slow_import_module, torch_ranks
-from tests.helpers import is_running, live_children, wait_until
+from tests.helpers import is_running, live_children, recorders, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -193,10 +193,7 @@ def test_context_attributes_follow_each_join_like_torch() -> None:
     assert "unjoined=0" in repr(ctx)
 
 
-def test_escalation_logs_sigterm_then_sigkill_on_the_aiospawn_logger(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    caplog.set_level(logging.WARNING)
+def test_escalation_logs_sigterm_then_sigkill_where_torch_does() -> None:
     fork = multiprocessing.get_context("fork")
     ready, go = fork.SimpleQueue(), fork.Event()
     ctx = sync.start_processes(
@@ -208,10 +205,16 @@ def test_escalation_logs_sigterm_then_sigkill_on_the_aiospawn_logger(
     )
     _, pid1 = ready.get()
     go.set()
-    with pytest.raises(sync.ProcessRaisedException, match="rank 0 failed on purpose"):
+    with (
+        recorders("", "aiospawn", "torch") as seen,
+        pytest.raises(sync.ProcessRaisedException, match="rank 0 failed on purpose"),
+    ):
         join_all(ctx, grace_period=0.3)
-    warnings = [record for record in caplog.records if record.levelno >= logging.WARNING]
-    assert [record.name for record in warnings] == ["aiospawn", "aiospawn"]
+    warnings = [record for record in seen["torch"].records if record.levelno >= logging.WARNING]
+    assert [record.name for record in warnings] == ["torch.multiprocessing.spawn"] * 2
+    # Once at the root; the aiospawn logger's own handlers get the same records.
+    assert [r for r in seen[""].records if r.levelno >= logging.WARNING] == warnings
+    assert [r for r in seen["aiospawn"].records if r.levelno >= logging.WARNING] == warnings
     assert f"Terminating process {pid1} via signal SIGTERM" in warnings[0].getMessage()
     assert f"Process {pid1}" in warnings[1].getMessage()
     assert "SIGKILL" in warnings[1].getMessage()

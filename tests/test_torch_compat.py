@@ -19,6 +19,7 @@ import pytest
 
 import aiospawn.sync as mp
 from tests import torch_ranks
+from tests.helpers import recorders
 
 START_METHODS = ["spawn", "fork", None]
 
@@ -81,21 +82,23 @@ def test_terminate_signal(start_method: str | None) -> None:
 
 @start_methods
 @pytest.mark.parametrize("grace_period", [None, 20])
-def test_terminate_exit(
-    start_method: str | None, grace_period: float | None, caplog: pytest.LogCaptureFixture
-) -> None:
-    caplog.set_level(logging.WARNING)
+def test_terminate_exit(start_method: str | None, grace_period: float | None) -> None:
     ctx = mp.start_processes(
         torch_ranks.terminate_exit, args=(123,), nprocs=2, join=False, start_method=start_method
     )
     pid1 = ctx.processes[1].pid
-    with pytest.raises(Exception, match="process 0 terminated with exit code 123"):
+    # Where torch's tests listen (their assertLogs() defaults to the "torch" logger).
+    with (
+        recorders("torch") as seen,
+        pytest.raises(Exception, match="process 0 terminated with exit code 123"),
+    ):
         join_until_done(ctx, grace_period=grace_period)
-    warnings = [record for record in caplog.records if record.levelno >= logging.WARNING]
+    warnings = [record for record in seen["torch"].records if record.levelno >= logging.WARNING]
     if grace_period is None:
         # Rank 1 sleeps 2 s: it is terminated at once, and that is the first warning.
-        assert warnings, "expected the SIGTERM warning"
+        assert warnings, "expected the SIGTERM warning on torch's logger"
         assert f"Terminating process {pid1} via signal" in warnings[0].getMessage()
+        assert warnings[0].name == "torch.multiprocessing.spawn"
     else:
         # Rank 1 exits by itself well inside the grace period: nothing to warn about.
         assert warnings == []

@@ -38,8 +38,12 @@ What this module keeps from torch: the names in ``__all__`` (plus
 ``ENV_VAR_PARALLEL_START``, the name of torch's environment variable for
 parallel starts, which aiospawn does not need: its starts are always
 concurrent), ``fn(rank, *args)``, ``join()`` returning False after each clean
-exit while ranks remain, the shutdown escalation and its WARNING logs (on the
-``aiospawn`` logger), and the exception messages. What it fixes: see the README.
+exit while ranks remain, the shutdown escalation and its WARNING logs (on
+torch's logger, ``torch.multiprocessing.spawn``), and the exception messages.
+What it fixes: see the README. The rest of ``torch.multiprocessing``'s names
+(``multiprocessing``'s, and torch's sharing strategies) are found on first use
+by the module's ``__getattr__`` (``aiospawn._torch_mp``), which imports torch
+only for a name of torch's own.
 """
 
 from __future__ import annotations
@@ -56,14 +60,16 @@ import types
 import warnings
 from collections.abc import Awaitable, Callable, Sequence
 from types import FrameType
-from typing import Any, Literal, TypeVar, TypeVarTuple, cast, overload
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, TypeVarTuple, cast, overload
 
 import anyio
 
+from . import _torch_mp
 from ._api import start_processes as _start_group_async
 from ._api import warn_spawn_only
 from ._core._context import AsyncProcessContext, group_of
 from ._core._errors import ProcessException, ProcessExitedException, ProcessRaisedException
+from ._core._log import log_as
 from ._core._spec import check_seconds, resolve_start_method
 
 __all__ = [
@@ -77,6 +83,10 @@ __all__ = [
     "start_processes",
 ]
 
+if TYPE_CHECKING:
+    # The stand-in's names for the checker: found by __getattr__ at run time.
+    from multiprocessing import *  # noqa: F403
+
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
 
@@ -86,6 +96,10 @@ Ts = TypeVarTuple("Ts")
 ENV_VAR_PARALLEL_START = "TORCH_MP_PARALLEL_START"
 
 _LOOP_THREAD_NAME = "aiospawn-sync-loop"
+
+# The logger of torch's spawn module, where its shutdown warnings go; logging
+# set up for torch (its test suite's assertLogs() too) listens there.
+_TORCH_LOGGER = "torch.multiprocessing.spawn"
 
 
 class ProcessContext:
@@ -146,7 +160,9 @@ class ProcessContext:
         others are shut down: if ``grace_period`` is set they first get that
         long to exit by themselves (nothing is logged if they do); then the
         survivors get SIGTERM, logged as a WARNING ``"Terminating process
-        {pid} via signal SIGTERM"`` on the ``aiospawn`` logger, then 30 s
+        {pid} via signal SIGTERM"`` on torch's logger,
+        ``torch.multiprocessing.spawn`` (and to the handlers of the
+        ``aiospawn`` logger), then 30 s
         (``grace_period`` if set), then SIGKILL, logged too. Every rank has
         been reaped when the exception is raised. Later calls raise an equal
         exception (torch raises one for another rank each time).
@@ -831,6 +847,9 @@ class _LoopThread:
             self._ended.set()
 
     def _main(self) -> None:
+        # The loop thread's context, inherited by every task and worker thread
+        # of its group: the group's events are logged where torch's are.
+        log_as(_TORCH_LOGGER)
         try:
             anyio.run(self._serve, backend="asyncio")
         except BaseException as exc:
@@ -999,3 +1018,12 @@ def _running_event_loop() -> str | None:
         else:
             return "trio"
     return None
+
+
+def __getattr__(name: str) -> Any:
+    """The rest of ``torch.multiprocessing``'s names, found on first use (see ``_torch_mp``)."""
+    return _torch_mp.lookup(__name__, name)
+
+
+def __dir__() -> list[str]:
+    return sorted(globals().keys() | _torch_mp.names())
