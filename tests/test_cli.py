@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import importlib.util
 import json
 import os
 import re
@@ -30,6 +31,7 @@ from typing import Any
 import psutil
 import pytest
 
+from aiospawn._core._spec import max_nprocs
 from tests.cli_helpers import (
     LAUNCHER,
     PREFIXED,
@@ -156,6 +158,74 @@ def test_omp_num_threads_is_set_with_a_note_only_when_unset() -> None:
     alone = run("run", program("show_env.py"), env=environ(OMP_NUM_THREADS=None))
     assert json.loads(alone.stdout)["OMP_NUM_THREADS"] is None
     assert alone.stderr == "stderr of rank 0\n"
+
+
+def test_a_preload_sees_the_thread_counts_the_ranks_get() -> None:
+    # Native libraries read them as they load: with --preload, in the template.
+    result = run(
+        "run",
+        "-n",
+        "2",
+        "--preload",
+        "threads_at_import",
+        "--env",
+        "MKL_NUM_THREADS=3",
+        program("show_threads.py"),
+        env=environ(OMP_NUM_THREADS=None),
+    )
+    assert result.returncode == 0, result.stderr
+    for shown in json_by_rank(result.stdout).values():
+        assert shown == {
+            "seen_at_import": {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "3"},
+            "imported_here": False,  # in the template, before the fork
+        }
+    [note] = result.stderr.splitlines()
+    assert note.startswith("aiospawn: OMP_NUM_THREADS is unset")
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("torch") is None,
+    reason="torch is not installed (pip install torch==2.13.0); the same setting is proven"
+    " torch-free by test_a_preload_sees_the_thread_counts_the_ranks_get",
+)
+@pytest.mark.parametrize(
+    ("options", "threads"),
+    [([], 1), (["--env", "OMP_NUM_THREADS=2"], 2)],
+    ids=["default", "env"],
+)
+def test_torch_preloaded_runs_each_rank_on_the_rank_thread_count(
+    options: list[str], threads: int
+) -> None:
+    result = run(
+        "run",
+        "-n",
+        "2",
+        "--preload",
+        "torch",
+        *options,
+        program("torch_threads.py"),
+        env=environ(OMP_NUM_THREADS=None),
+    )
+    assert result.returncode == 0, result.stderr
+    shown = json_by_rank(result.stdout)
+    assert shown == {rank: {"threads": threads, "omp": str(threads)} for rank in (0, 1)}
+    # Notes on the template's native threads are for -v alone.
+    assert "native thread" not in result.stderr
+
+
+@pytest.mark.parametrize("verbose", [False, True], ids=["default", "verbose"])
+def test_native_threads_of_a_preload_are_noted_only_with_verbose(verbose: bool) -> None:
+    result = run(
+        "run",
+        *(["-v"] if verbose else []),
+        "--preload",
+        "tests.warm_modules.native_thread",
+        "--fn",
+        "tests.cli_programs.functions:greet",
+    )
+    assert result.returncode == 0, result.stderr
+    notes = [line for line in result.stderr.splitlines() if "native thread" in line]
+    assert len(notes) == (1 if verbose else 0), result.stderr
 
 
 def test_master_port_is_free_for_a_rank_to_bind() -> None:
@@ -328,6 +398,9 @@ def by_rank_lines(text: str, rank: int) -> list[str]:
         ["run", "--restart-window", "60", "TOUCH"],
         ["run", "--max-restarts", "1", "--restart-window", "0", "TOUCH"],
         ["run", "--stdout", "capture", "TOUCH"],
+        ["run", "--stdout", "weird", "TOUCH"],
+        ["run", "--stderr", "prefx", "TOUCH"],
+        ["run", "--fn", "tests.cli_programs.reads_rank_at_import:main"],
         ["run", "--tee", "TOUCH"],
         ["run", "-m", "--fn", "x:y"],
         ["run", "--preload", "no_such_module_here", "TOUCH"],
@@ -345,6 +418,18 @@ def test_bad_usage_exits_2_with_one_line_before_starting(args: list[str], tmp_pa
     assert result.stdout == ""
     assert result.stderr.count("\n") == 1, result.stderr
     assert result.stderr.startswith("aiospawn: error: ")
+    assert not marker.exists()
+
+
+def test_a_usage_error_comes_before_any_note(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    too_many = str(max_nprocs() + 1)  # the fewest descriptors a rank can take
+    result = run(
+        "run", "-n", too_many, program("touch.py"), str(marker), env=environ(OMP_NUM_THREADS=None)
+    )
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"aiospawn: error: -n {too_many} is more than this process")
+    assert result.stderr.count("\n") == 1, result.stderr  # no OMP_NUM_THREADS note
     assert not marker.exists()
 
 
@@ -420,10 +505,11 @@ def test_no_command_prints_the_usage_and_exits_2() -> None:
     assert "COMMAND" in result.stderr
 
 
-def test_version_prints_the_version() -> None:
+@pytest.mark.parametrize("args", [["--version"], ["run", "--version"]], ids=" ".join)
+def test_version_prints_the_version(args: list[str]) -> None:
     import aiospawn
 
-    result = run("--version")
+    result = run(*args)
     assert result.returncode == 0, result.stderr
     assert result.stdout == f"aiospawn {aiospawn.__version__}\n"
 

@@ -14,6 +14,7 @@ import doctest
 import re
 import subprocess
 import sys
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -163,3 +164,28 @@ def test_the_api_reference_names_every_public_name(module: str, names: list[str]
         if f"{module}.{name}" not in documented and f"{module}.{name}" not in mentioned
     ]
     assert not missing, f"docs/api.md does not document {missing}"
+
+
+ROOT = DOCS.parent
+
+
+def test_installs_of_our_extras_work_from_a_clone() -> None:
+    # aiospawn is installed from its repository: "pip install 'aiospawn[x]'"
+    # looks for it on a package index instead.
+    pages = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+    wrong = [
+        f"{page.relative_to(ROOT)}:{number}"
+        for page in pages
+        for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1)
+        if "pip install" in line and "aiospawn[" in line
+    ]
+    assert not wrong, f"pip install 'aiospawn[...]' where -e '.[...]' is meant: {wrong}"
+
+
+def test_the_readme_names_every_extra() -> None:
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"][
+        "optional-dependencies"
+    ]
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    install = readme[readme.index("## Install") : readme.index("## Quick start")]
+    assert [name for name in extras if f"`{name}`" not in install] == []

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import signal
@@ -187,6 +188,19 @@ async def test_a_preload_that_makes_forking_unsafe_is_refused_naming_the_module(
     assert message.startswith(f"warm starts refused: importing preload module {module!r} {why}")
     assert "leave the module out of preload" in message
     assert _template.running_templates() == []
+
+
+async def test_native_threads_a_preload_left_are_a_note_not_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The usual one, OpenBLAS's pool, is made again in a rank that needs it.
+    caplog.set_level(logging.DEBUG, logger="aiospawn")
+    module = "tests.warm_modules.native_thread"
+    [report] = await aiospawn.start_processes(warm_ranks.report, preload=[module])
+    assert report["ppid"] == only_template()
+    notes = [record for record in caplog.records if "native thread" in record.getMessage()]
+    assert [record.levelno for record in notes] == [logging.INFO]
+    assert f"preload module {module!r} left 1 native thread(s) running" in notes[0].getMessage()
 
 
 @pytest.mark.parametrize("row", [pytest.param(row, id=row.behaviour) for row in CRASH_MATRIX])

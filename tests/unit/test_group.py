@@ -7,6 +7,8 @@ What only real processes show (signals, reaping, pipes) is tested elsewhere.
 
 from __future__ import annotations
 
+import logging
+import re
 import signal
 from collections.abc import Callable, Coroutine
 from contextlib import aclosing
@@ -18,6 +20,7 @@ import pytest
 import aiospawn
 from aiospawn._core._restarts import HISTORY_TAIL, NOTE_RECORDS
 from tests.fake_backend import FakeBackend, start_group
+from tests.helpers import tripwire
 
 pytestmark = pytest.mark.anyio
 
@@ -96,6 +99,37 @@ async def test_after_terminate_join_reports_the_lowest_rank_stopped() -> None:
     with pytest.raises(aiospawn.ProcessExitedException, match="SIGKILL") as caught:
         await ctx.join()
     assert caught.value.error_index == 1
+
+
+async def test_a_hurried_shutdown_logs_the_time_since_sigterm_not_the_grace_period(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="aiospawn")
+    backend = FakeBackend()
+    ctx = await start_group(backend, nprocs=1)  # 30 s from SIGTERM to SIGKILL
+    backend.ignored_signals = {signal.SIGTERM}
+    rank = backend.attempt(0)
+    with tripwire(10, "the hurried shutdown"):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ctx.terminate)
+            await anyio.wait_all_tasks_blocked()  # the shutdown waits out the grace period
+            assert rank.signals == [signal.SIGTERM]
+            sigterm_seen = anyio.current_time()
+            # Real time must pass for the log to report it (as a user's pause
+            # before a second Ctrl-C); nothing waits on this sleep.
+            await anyio.sleep(0.3)
+            waited = anyio.current_time() - sigterm_seen
+            await ctx.terminate(grace_period=0)  # the second Ctrl-C
+    assert rank.signals == [signal.SIGTERM, signal.SIGKILL]
+    [line] = [r.getMessage() for r in caplog.records if "after SIGTERM" in r.getMessage()]
+    match = re.fullmatch(
+        rf"Process {rank.pid} \(rank 0\) still running (\d+\.\d) s after SIGTERM;"
+        " sending SIGKILL",
+        line,
+    )
+    assert match, line
+    # At least the time the test saw pass (one decimal), far less than the 30 s.
+    assert round(waited, 1) <= float(match[1]) < 10
 
 
 async def test_a_start_error_names_the_lowest_failing_rank_and_stops_the_started() -> None:

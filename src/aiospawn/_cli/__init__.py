@@ -65,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"OMP_NUM_THREADS is unset: setting it to 1 in each of the {plan.nprocs}"
                 " ranks so they do not oversubscribe the CPUs; set it to choose another value"
             )
-        _log_to_stderr()
+        _log_to_stderr(verbose=plan.verbose)
         # Like other command-line tools, die of SIGPIPE when the reader of our
         # output is gone (a pipe to head); the ranks die with us.
         die_of_sigpipe_on_closed_output()
@@ -75,12 +75,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-def _log_to_stderr() -> None:
-
+def _log_to_stderr(*, verbose: bool) -> None:
+    """Show the library's log on stderr: warnings, and with ``-v`` its notes too."""
     logger = logging.getLogger("aiospawn")
     if not logger.handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter(f"{PROG}: %(message)s"))
         logger.addHandler(handler)
-        logger.setLevel(logging.WARNING)
+        logger.setLevel(logging.INFO if verbose else logging.WARNING)
         logger.propagate = False

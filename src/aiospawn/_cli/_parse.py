@@ -18,6 +18,7 @@ message instead of argparse's "unrecognized arguments". The docs' table
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import re
 import signal
@@ -129,7 +130,8 @@ def parser() -> argparse.ArgumentParser:
         description="Run a Python script, module, function or any program as N ranks,"
         " supervised by aiospawn.",
     )
-    parser.add_argument("--version", action="version", version=f"{PROG} {aiospawn.__version__}")
+    version = f"{PROG} {aiospawn.__version__}"
+    parser.add_argument("--version", action="version", version=version)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     run = commands.add_parser(
         "run",
@@ -141,6 +143,8 @@ def parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    # After "run" too: that is where a user who just read "aiospawn run --help" types it.
+    run.add_argument("--version", action="version", version=version)
     run.add_argument(
         *_spellings("-n", "--nprocs", "--nproc-per-node"),
         dest="nprocs",
@@ -573,7 +577,22 @@ def _stream_mode(text: str) -> str:
         )
     if not text:
         raise argparse.ArgumentTypeError("wants prefix, inherit, devnull or a directory")
+    if text not in STREAM_MODES and not _names_a_directory(text):
+        # A bare word that is no mode is far more often a typo (--stdout prefx)
+        # than a directory to make; a path says it is one.
+        close = difflib.get_close_matches(text, STREAM_MODES, n=1)
+        guess = f"did you mean {close[0]!r}? " if close else ""
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither a mode ({', '.join(STREAM_MODES)}) nor an existing"
+            f" directory; {guess}for a new directory, give a path: ./{text}"
+        )
     return text
+
+
+def _names_a_directory(text: str) -> bool:
+    """True if a ``--stdout``/``--stderr`` value is a directory: one that exists, or a path."""
+    separators = {os.sep} | ({os.altsep} if os.altsep else set())
+    return os.path.isdir(text) or any(sep in text for sep in separators)
 
 
 def _module_list(text: str) -> list[str]:

@@ -22,7 +22,13 @@ from typing import TYPE_CHECKING, Any
 
 import aiospawn
 from aiospawn._core._env import visible_devices
-from aiospawn._core._spec import DEFAULT_PREFIX, assign_devices
+from aiospawn._core._spec import (
+    DEFAULT_PREFIX,
+    assign_devices,
+    check_nprocs,
+    fds_per_rank,
+    make_output_spec,
+)
 from aiospawn._rank.programs import (
     rank_function,
     rank_module,
@@ -38,6 +44,10 @@ if TYPE_CHECKING:
 
 __all__ = ["Plan"]
 
+
+#: Variables ending so are thread counts of native libraries (OMP_NUM_THREADS,
+#: MKL_NUM_THREADS, OPENBLAS_NUM_THREADS, ...), read as the library loads.
+THREAD_SUFFIX = "_NUM_THREADS"
 
 #: Hosts that name this machine, for torchrun's --master-addr and --rdzv-endpoint.
 LOCAL_HOSTS = ("", "localhost", "127.0.0.1", "::1")
@@ -100,6 +110,7 @@ class Plan:
         self.devices_per_rank, self.devices = _devices(options)
         self.virtual_local_rank: bool = options.virtual_local_rank
         self._output(options)
+        self._check_capacity()
         # Beside the torchrun_env variables; --env wins over both.
         self.user_env = dict(options.env)
         self.omp_note = (
@@ -122,6 +133,16 @@ class Plan:
         if self.omp_note:
             base["OMP_NUM_THREADS"] = "1"
         self.base_env = base
+        #: What a warm template's environment must hold when it imports the
+        #: preload: the thread counts every rank gets. Native libraries read
+        #: them as they load (OpenMP's, OpenBLAS's, MKL's), which with
+        #: --preload happens in the template, before the rank's env is set.
+        self.template_env: dict[str, str] = {}
+        if self.preload:
+            shared = {**base, **self.user_env}
+            self.template_env = {
+                key: value for key, value in shared.items() if key.endswith(THREAD_SUFFIX)
+            }
 
     def environment(self, error_files: str | None) -> Callable[[int], dict[str, str]]:
         """Each rank's variables beyond torchrun's: ours, then ``--env``, which wins.
@@ -144,6 +165,28 @@ class Plan:
             return variables
 
         return env
+
+    def stream_modes(self) -> tuple[Callable[[int], str], Callable[[int], str]]:
+        """The ``stdout`` and ``stderr`` options of the group: each rank's mode."""
+        return (lambda rank: self.streams(rank)["stdout"]), (
+            lambda rank: self.streams(rank)["stderr"]
+        )
+
+    def _check_capacity(self) -> None:
+        """Refuse more ranks than this process can hold, as the start would, but first.
+
+        A usage error must come before any note, and before anything starts.
+        """
+        stdout, stderr = self.stream_modes()
+        heartbeats = self.heartbeat_timeout is not None or self.startup_timeout is not None
+        try:
+            check_nprocs(self.nprocs)  # cheap: before the per-rank modes are read
+            output = make_output_spec(stdout, stderr, self.teed, self.prefix)
+            check_nprocs(self.nprocs, fds_per_rank(output.for_group(self.nprocs), heartbeats))
+        except ValueError as exc:
+            raise UsageError(
+                str(exc).replace(f"nprocs={self.nprocs}", f"-n {self.nprocs}", 1)
+            ) from None
 
     def _output(self, options: argparse.Namespace) -> None:
         """Where each rank's streams go, in aiospawn's spelling or torchrun's."""
@@ -426,6 +469,9 @@ def _target(
         _check_module(target)
         return rank_module, (target, args), f"-m {target}"
     if options.fn:
+        module, colon, _ = target.partition(":")
+        if colon and module:
+            _import_here(module, f"--fn {target}")
         try:
             resolve_function(target)
         except Exception as exc:
@@ -439,6 +485,39 @@ def _target(
         raise UsageError(f"script {target!r} does not exist")
     path = os.path.abspath(target) if absolute else target
     return rank_script, (path, args), target
+
+
+#: The variables a rank has and the launcher has not (torchrun's, per rank).
+RANK_VARIABLES = frozenset(
+    {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR"}
+    | {"MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_ERROR_FILE"}
+)
+
+
+def _import_here(module: str, flag: str) -> None:
+    """Import ``module`` in the launcher, to check it; UsageError that says what went wrong."""
+    try:
+        importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and (module + ".").startswith(exc.name + "."):
+            raise UsageError(f"{flag}: no module named {exc.name!r}") from None
+        raise UsageError(_import_failed(module, flag, exc)) from None
+    except (Exception, SystemExit) as exc:
+        raise UsageError(_import_failed(module, flag, exc)) from None
+
+
+def _import_failed(module: str, flag: str, exc: BaseException) -> str:
+
+    message = (
+        f"{flag}: importing module {module!r} in the launcher, to check that the function"
+        f" exists, raised {type(exc).__name__}: {exc}"
+    )
+    if isinstance(exc, KeyError) and exc.args and exc.args[0] in RANK_VARIABLES:
+        message += (
+            f" ({exc.args[0]} is set in each rank, not in the launcher: read it when the"
+            " function runs, not at import)"
+        )
+    return message
 
 
 def _check_module(name: str) -> None:

@@ -33,6 +33,9 @@ __all__ = ["supervise"]
 
 async def supervise(plan: Plan) -> int:
     """Start the ranks, supervise them to the end, and report; return the exit status."""
+    # A warm template takes our environment when it starts, and imports the
+    # preload with it: the thread counts the ranks get must be there already.
+    os.environ.update(plan.template_env)
     run = Run(plan)
     # Error files are local files: on Ray the ranks' nodes may be other machines.
     # Only named, not made: a file exists only once a rank records an error
@@ -88,13 +91,7 @@ async def supervise(plan: Plan) -> int:
 
 
 def _options(plan: Plan, error_files: str | None) -> GroupOptions:
-
-    def stdout(rank: int) -> str:
-        return plan.streams(rank)["stdout"]
-
-    def stderr(rank: int) -> str:
-        return plan.streams(rank)["stderr"]
-
+    stdout, stderr = plan.stream_modes()
     options: GroupOptions = {
         "grace_period": plan.grace_period,
         "env": plan.environment(error_files),

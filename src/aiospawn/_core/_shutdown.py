@@ -49,6 +49,8 @@ class Shutdown:
         self._term_wait = DEFAULT_GRACE_PERIOD if grace_period is None else grace_period
         self._waiting: anyio.CancelScope | None = None
         self._waiting_since = 0.0
+        #: When each rank was sent SIGTERM (by ``id``), for the log's elapsed times.
+        self._sigterm_at: dict[int, float] = {}
 
     def hurry(self, grace_period: float) -> None:
         """Send SIGKILL at most ``grace_period`` seconds after SIGTERM (0: at once)."""
@@ -79,11 +81,14 @@ class Shutdown:
         for rank in live:
             if rank.send_signal(signal.SIGKILL):
                 self._on_signal(rank, signal.SIGKILL)
+                # The time that passed, not the grace period: a hurry (a second
+                # Ctrl-C) cuts the wait short.
+                since = self._sigterm_at.get(id(rank), self._waiting_since)
                 logger.warning(
-                    "Process %s (rank %d) still running %g s after SIGTERM; sending SIGKILL",
+                    "Process %s (rank %d) still running %s s after SIGTERM; sending SIGKILL",
                     rank.pid,
                     rank.rank,
-                    self._term_wait,
+                    seconds_text(anyio.current_time() - since),
                 )
             await checkpoint()
         with anyio.move_on_after(REAP_TIMEOUT):
@@ -102,6 +107,7 @@ class Shutdown:
     async def _terminate(self, ranks: Sequence[RankHandle]) -> None:
         for rank in ranks:
             if rank.send_signal(signal.SIGTERM):
+                self._sigterm_at[id(rank)] = anyio.current_time()
                 self._on_signal(rank, signal.SIGTERM)
                 logger.warning(
                     "Terminating process %s via signal SIGTERM (rank %d)", rank.pid, rank.rank
@@ -114,6 +120,11 @@ class Shutdown:
         with anyio.move_on_after(seconds()) as self._waiting:
             await _wait_for_exits(ranks)
         self._waiting = None
+
+
+def seconds_text(seconds: float) -> str:
+    """``seconds`` for a log line: one decimal under 10 s (``0.5``), whole seconds above."""
+    return f"{seconds:.1f}" if seconds < 10 else f"{seconds:.0f}"
 
 
 async def _wait_for_exits(ranks: Sequence[RankHandle]) -> None:

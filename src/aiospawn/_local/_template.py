@@ -126,7 +126,10 @@ class Template:
         if reply.startswith(b"R"):
             logger.debug("warm-start template %s ready, preload %s", process.pid, preload)
             for note in reply[1:].decode("utf-8", "replace").splitlines():
-                logger.warning("warm-start template %s: %s", process.pid, note)
+                # Information, not a warning: the usual native thread (OpenBLAS's
+                # pool) is made again in a rank that needs it, and numpy starts
+                # it wherever numpy is imported.
+                logger.info("warm-start template %s: %s", process.pid, note)
             return template
         pid = process.pid
         template.stop()

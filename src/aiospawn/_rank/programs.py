@@ -25,12 +25,45 @@ FORWARDED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUS
 
 def rank_script(rank: int, path: str, args: list[str]) -> None:
     """Run the file ``path`` as ``__main__`` with ``sys.argv = [path, *args]``."""
-    import runpy
-
     sys.argv = [path, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(path))
-    # As python script.py does: __file__ is absolute, sys.argv[0] as given.
-    _run_user_code(lambda: runpy.run_path(os.path.abspath(path), run_name="__main__"))
+    _run_user_code(lambda: _run_main_script(path))
+
+
+def _run_main_script(path: str) -> None:
+    """Run the script ``path`` as ``__main__``, as ``python path`` does.
+
+    ``__file__`` (and the file name in tracebacks) is absolute, and
+    ``sys.argv[0]`` stays ``path`` as typed, which is also what torchrun's
+    ranks see. ``runpy.run_path`` cannot give both: it puts the path it is
+    given in both places. It still runs a directory or a zip file with a
+    ``__main__.py``, given the path as typed, as ``python`` does for those.
+    """
+    import io
+    import pkgutil
+    import runpy
+    import types
+
+    absolute = os.path.abspath(path)
+    if pkgutil.get_importer(absolute) is not None:
+        runpy.run_path(path, run_name="__main__")
+        return
+    with io.open_code(absolute) as file:
+        code = pkgutil.read_code(file)  # a compiled file, or None
+    if code is None:
+        with io.open_code(absolute) as file:
+            code = compile(file.read(), absolute, "exec")
+    main = types.ModuleType("__main__")
+    vars(main).update(__file__=absolute, __cached__=None)
+    # As runpy does: __main__ is the script's while it runs (a spawn pool's
+    # workers find the script through it), the rank's own again after.
+    saved = sys.modules.get("__main__")
+    sys.modules["__main__"] = main
+    try:
+        exec(code, main.__dict__)
+    finally:
+        if saved is not None:
+            sys.modules["__main__"] = saved
 
 
 def rank_module(rank: int, name: str, args: list[str]) -> None:
