@@ -13,7 +13,15 @@ import pytest
 
 import aiospawn
 from tests import ranks
-from tests.helpers import Events, drain, is_reaped, is_running, receive, receive_ready
+from tests.helpers import (
+    Events,
+    drain,
+    is_reaped,
+    is_running,
+    receive,
+    receive_ready,
+    tripwire,
+)
 
 # Its subject is the glue between the group and the event loop: both loops.
 pytestmark = [pytest.mark.anyio, pytest.mark.both_loops]
@@ -366,7 +374,7 @@ async def test_a_shorter_grace_period_hurries_a_shutdown_under_way(events: Event
             ("SIGTERM", 0),
             ("SIGTERM", 1),
         }
-        with anyio.fail_after(30, "terminate(grace_period=0) did not hurry the shutdown"):
+        with tripwire(30, "terminate(grace_period=0) hurrying the shutdown"):
             await ctx.terminate(grace_period=0)
     assert [process.exitcode for process in ctx.processes] == [-signal.SIGKILL] * 2
     assert all(is_reaped(pid) for pid in pids.values())
