@@ -434,3 +434,35 @@ def test_the_aiospawn_command_preloads_the_targets_own_modules(
     # Imported once, in the template both ranks were forked from.
     assert len({line["importer"] for line in shown}) == 1, shown
     assert all(line["importer"] != line["pid"] for line in shown), shown
+
+
+def fd_census() -> set[str]:
+    """Every descriptor of this process, as fd:target (sockets too, which the leak check skips)."""
+    fds = set()
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own fd, closed meanwhile
+            fds.add(f"{name}:{os.readlink(f'/proc/self/fd/{name}')}")
+    return fds
+
+
+async def test_a_template_killed_before_its_ranks_read_their_payload_fails_the_group_clearly() -> (
+    None
+):
+    # The ranks stall before they read their payload; the template dies then,
+    # and the ranks with it: their status sockets end with data unread (a reset).
+    before = fd_census()
+    ctx = await aiospawn.start_processes(
+        warm_ranks.report, nprocs=2, join=False, preload=["tests.warm_modules.stalls_ranks"]
+    )
+    killed = only_template()
+    os.kill(killed, signal.SIGKILL)
+    with (
+        tripwire(60, "join() of ranks whose template died before they read their payload"),
+        pytest.raises(aiospawn.ProcessExitedException) as info,
+    ):
+        await ctx.join()
+    assert info.value.signal_name == "SIGKILL"
+    assert f"its warm-start template (pid {killed}) died while it ran" in info.value.msg
+    del ctx, info
+    _template.stop_all()
+    assert wait_until(lambda: fd_census() <= before), sorted(fd_census() - before)

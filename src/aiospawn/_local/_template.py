@@ -314,6 +314,11 @@ class _StatusChannel:
                 self._data += chunk
         except BlockingIOError:
             return None
+        except OSError:
+            # ECONNRESET: the rank died with its payload unread, and the
+            # template with it (the last holder of the socket): no status comes.
+            self.eof = True
+            return EOFError()
         kind, code = STATUS.unpack(self._data)
         assert kind == b"X", kind
         return int(code)
@@ -380,6 +385,9 @@ class WarmProcess:
         self._popen: _StatusChannel | None = None
         self._exitcode: int | None = None
         self._sentinel = -1
+        self._template_pid: int | None = None
+        #: What ended the rank, when its exit code alone would mislead.
+        self.exit_cause: str | None = None
 
     def __repr__(self) -> str:
         state = "initial" if self.pid is None else ("started" if self._exitcode is None else "")
@@ -407,6 +415,10 @@ class WarmProcess:
                     self.pid,
                 )
                 self._exitcode = -signal.SIGKILL
+                self.exit_cause = (
+                    f"its warm-start template (pid {self._template_pid}) died while it ran,"
+                    " and the rank with it; the rank's own exit status is lost"
+                )
         return self._exitcode
 
     def start(self) -> None:
@@ -426,6 +438,7 @@ class WarmProcess:
         payload = pickle.dumps((setup, call), protocol=pickle.HIGHEST_PROTOCOL)
         template = template_for(self._preload)
         sock, self.pid = template.fork(payload, collector.fds)
+        self._template_pid = template.process.pid
         self._popen = _StatusChannel(sock, self.pid)
         self._sentinel = self._popen.fd
 
