@@ -25,7 +25,7 @@ import pytest
 import aiospawn
 from aiospawn._local import _template
 from tests import ranks, warm_ranks
-from tests.helpers import is_gone, receive_ready, tripwire, wait_until
+from tests.helpers import is_gone, is_reaped, is_running, receive_ready, tripwire, wait_until
 from tests.test_child import CRASH_MATRIX, Row
 from tests.test_launch import _read_line_within, is_alive
 
@@ -366,7 +366,7 @@ def test_a_template_stays_single_threaded_and_runs_no_user_code_of_its_own() -> 
 
 def test_the_launcher_passes_preload_on() -> None:
     shown = two_ranks_of_the_launcher(
-        [sys.executable, "-m", "aiospawn"], "decimal,json", ["tests/cli_programs/show_preloaded.py"]
+        [sys.executable, "-m", "aiospawn"], "decimal,json", ["-m", "tests.cli_programs.show_preloaded"]
     )
     assert [line["preloaded"] for line in shown] == [True, True]
     assert len({line["ppid"] for line in shown}) == 1  # one template forked both
@@ -466,3 +466,56 @@ async def test_a_template_killed_before_its_ranks_read_their_payload_fails_the_g
     del ctx, info
     _template.stop_all()
     assert wait_until(lambda: fd_census() <= before), sorted(fd_census() - before)
+
+
+@pytest.fixture
+def children_log(scratch: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """The file ``tests.warm_modules.leaves_children`` lists its processes in; they end with the test."""
+    log = scratch / "children.log"
+    log.touch()
+    monkeypatch.setenv("WARM_CHILDREN_LOG", str(log))
+    yield log
+    for pid in importers(log):  # should they have outlived their template, for the next tests
+        with contextlib.suppress(psutil.NoSuchProcess):
+            psutil.Process(pid).kill()
+
+
+async def test_processes_a_preload_started_end_with_their_template(children_log: Path) -> None:
+    await aiospawn.start_processes(warm_ranks.report, preload=["tests.warm_modules.leaves_children"])
+    template = only_template()
+    popen, forked = importers(children_log)
+    assert {psutil.Process(popen).ppid(), psutil.Process(forked).ppid()} == {template}
+    _template.stop_all()
+    assert wait_until(lambda: is_gone(popen) and is_gone(forked)), "outlived their template"
+
+
+async def test_a_template_reaps_the_processes_of_its_own_that_exit(children_log: Path) -> None:
+    # Its subreaper's duty: a child of the preload's (or an orphan) that exits is no zombie.
+    await aiospawn.start_processes(warm_ranks.report, preload=["tests.warm_modules.leaves_children"])
+    children = importers(children_log)
+    for pid in children:
+        os.kill(pid, signal.SIGKILL)
+    assert wait_until(lambda: all(map(is_reaped, children))), [
+        psutil.Process(pid).status() for pid in children if not is_reaped(pid)
+    ]
+
+
+def test_the_launcher_with_a_preload_that_starts_processes_ends(children_log: Path) -> None:
+    # As `aiospawn run --preload ... | cat`: the output pipe ends when the launcher does.
+    with subprocess.Popen(
+        [sys.executable, "-m", "aiospawn", "run", "-n", "2", "--stdout", "inherit"]
+        + ["--preload", "tests.warm_modules.leaves_children", "-m", "tests.cli_programs.show_preloaded"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as launcher:
+        try:
+            out, err = launcher.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            launcher.kill()
+            launcher.communicate()
+            pytest.fail("the launcher's output pipe was still open 60 s after it started")
+    assert launcher.returncode == 0, err
+    assert len(out.splitlines()) == 2, out
+    assert not any(map(is_running, importers(children_log)))
