@@ -33,6 +33,7 @@ pytestmark = pytest.mark.anyio
 
 ROOT = Path(__file__).resolve().parent.parent
 COUNTED = warm_ranks.COUNTED
+LEAVES_CHILDREN = "tests.warm_modules.leaves_children"
 
 
 @pytest.fixture(autouse=True)
@@ -366,7 +367,7 @@ def test_a_template_stays_single_threaded_and_runs_no_user_code_of_its_own() -> 
 
 def test_the_launcher_passes_preload_on() -> None:
     shown = two_ranks_of_the_launcher(
-        [sys.executable, "-m", "aiospawn"], "decimal,json", ["-m", "tests.cli_programs.show_preloaded"]
+        [sys.executable, "-m", "aiospawn"], "decimal,json", ["tests/cli_programs/show_preloaded.py"]
     )
     assert [line["preloaded"] for line in shown] == [True, True]
     assert len({line["ppid"] for line in shown}) == 1  # one template forked both
@@ -470,7 +471,7 @@ async def test_a_template_killed_before_its_ranks_read_their_payload_fails_the_g
 
 @pytest.fixture
 def children_log(scratch: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """The file ``tests.warm_modules.leaves_children`` lists its processes in; they end with the test."""
+    """Where ``tests.warm_modules.leaves_children`` lists its processes; they end with the test."""
     log = scratch / "children.log"
     log.touch()
     monkeypatch.setenv("WARM_CHILDREN_LOG", str(log))
@@ -481,7 +482,7 @@ def children_log(scratch: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pat
 
 
 async def test_processes_a_preload_started_end_with_their_template(children_log: Path) -> None:
-    await aiospawn.start_processes(warm_ranks.report, preload=["tests.warm_modules.leaves_children"])
+    await aiospawn.start_processes(warm_ranks.report, preload=[LEAVES_CHILDREN])
     template = only_template()
     popen, forked = importers(children_log)
     assert {psutil.Process(popen).ppid(), psutil.Process(forked).ppid()} == {template}
@@ -491,7 +492,7 @@ async def test_processes_a_preload_started_end_with_their_template(children_log:
 
 async def test_a_template_reaps_the_processes_of_its_own_that_exit(children_log: Path) -> None:
     # Its subreaper's duty: a child of the preload's (or an orphan) that exits is no zombie.
-    await aiospawn.start_processes(warm_ranks.report, preload=["tests.warm_modules.leaves_children"])
+    await aiospawn.start_processes(warm_ranks.report, preload=[LEAVES_CHILDREN])
     children = importers(children_log)
     for pid in children:
         os.kill(pid, signal.SIGKILL)
@@ -503,8 +504,10 @@ async def test_a_template_reaps_the_processes_of_its_own_that_exit(children_log:
 def test_the_launcher_with_a_preload_that_starts_processes_ends(children_log: Path) -> None:
     # As `aiospawn run --preload ... | cat`: the output pipe ends when the launcher does.
     with subprocess.Popen(
-        [sys.executable, "-m", "aiospawn", "run", "-n", "2", "--stdout", "inherit"]
-        + ["--preload", "tests.warm_modules.leaves_children", "-m", "tests.cli_programs.show_preloaded"],
+        [
+            *(sys.executable, "-m", "aiospawn", "run", "-n", "2", "--stdout", "inherit"),
+            *("--preload", LEAVES_CHILDREN, "-m", "tests.cli_programs.show_preloaded"),
+        ],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

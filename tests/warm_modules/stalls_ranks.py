@@ -1,4 +1,4 @@
-"""Makes every process its importer forks stop before it does anything: before a rank reads its payload.
+"""Stops every process its importer forks at once: a forked rank never reads its payload.
 
 A template that preloads this forks ranks that hang in an at-fork hook until
 their parent, the template, dies (they die with it, ``PR_SET_PDEATHSIG``):
