@@ -165,15 +165,19 @@ def serve(control: ChildEnd, preload: tuple[str, ...], supervisor_pid: int) -> N
 def _serve(sock: socket.socket, preload: tuple[str, ...], supervisor_pid: int) -> _Rank | None:
     """Preload, answer, and serve fork requests; the rank to run in a forked child, else None."""
     refusal, notes = _preload(preload)
+    # The supervisor may have stopped waiting (a stale template it stopped
+    # while this one imported): then the loop finds the socket closed.
     if refusal is not None:
-        sock.send(b"E" + refusal.encode("utf-8", "replace"))
+        with contextlib.suppress(OSError):
+            sock.send(b"E" + refusal.encode("utf-8", "replace"))
         return None
     # Objects the preload made will not be freed: keep the collector off their
     # memory, so that it stays shared with the ranks instead of being copied
     # page by page when a rank's collection touches it (gc.freeze docs).
     gc.collect()
     gc.freeze()
-    sock.send(b"R" + "\n".join(notes).encode("utf-8", "replace"))
+    with contextlib.suppress(OSError):
+        sock.send(b"R" + "\n".join(notes).encode("utf-8", "replace"))
     return _Loop(sock, supervisor_pid).run()
 
 
