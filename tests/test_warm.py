@@ -459,6 +459,19 @@ def fd_census() -> set[str]:
     return fds
 
 
+async def test_a_template_that_dies_as_it_forks_fails_the_start_and_leaks_nothing() -> None:
+    before = fd_census()
+    with pytest.raises(
+        _template.TemplateError,
+        match=r"template \(pid \d+\) died \(exit code 5\) before it could start the rank",
+    ):
+        await aiospawn.start_processes(
+            warm_ranks.report, nprocs=2, preload=["tests.warm_modules.dies_at_fork"]
+        )
+    _template.stop_all()
+    assert wait_until(lambda: fd_census() <= before), sorted(fd_census() - before)
+
+
 async def test_a_template_killed_before_its_ranks_read_their_payload_fails_the_group_clearly() -> (
     None
 ):
@@ -555,6 +568,7 @@ async def gate(scratch: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[
 async def test_a_warm_start_cancelled_during_its_templates_import_returns_without_it(
     gate: ImportGate, moment: str
 ) -> None:
+    before = fd_census()
     scope = anyio.CancelScope()
 
     async def start() -> None:
@@ -581,6 +595,8 @@ async def test_a_warm_start_cancelled_during_its_templates_import_returns_withou
     assert psutil.Process(importing).children() == []
     [report] = await aiospawn.start_processes(warm_ranks.report, preload=[GATED])
     assert report["ppid"] == importing
+    _template.stop_all()
+    assert wait_until(lambda: fd_census() <= before), sorted(fd_census() - before)
 
 
 async def test_unrelated_warm_groups_do_not_wait_for_each_others_imports(gate: ImportGate) -> None:
