@@ -154,6 +154,7 @@ def serve(control: ChildEnd, preload: tuple[str, ...], supervisor_pid: int) -> N
     finally:
         if os.getpid() == template:  # not in a rank, which returns from _Loop.run too
             descendants.kill_descendants(template, END_PATIENCE)
+            _reap_all()
     if rank is not None:
         # The rank's frames start here, outside the loop's own handlers.
         try:
@@ -400,6 +401,13 @@ class _Loop:
         fn, index, args, channel, name = pickle.loads(call_pickle)
         _after_fork(name)
         return _Rank(fn, index, args, channel, setup)
+
+
+def _reap_all() -> None:
+    # Our children that have exited: not left as zombies for init to find.
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
 
 
 def _ignore_signal(signum: int, frame: object) -> None:
