@@ -32,13 +32,14 @@ from tests.helpers import (
     is_gone,
     is_reaped,
     is_running,
+    live_children,
     receive_ready,
     tripwire,
     wait_until,
 )
 from tests.test_child import CRASH_MATRIX, Row
 from tests.test_launch import _read_line_within, is_alive
-from tests.test_reliability import our_threads_blocked
+from tests.test_reliability import make_rng, our_threads_blocked, scaled
 
 pytestmark = pytest.mark.anyio
 
@@ -652,3 +653,19 @@ async def test_a_template_whose_ranks_run_is_never_stopped_as_idle(
     await aiospawn.start_processes(warm_ranks.report, preload=["decimal"])
     assert busy not in _template.running_templates()
     assert is_reaped(busy)
+
+
+async def test_warm_starts_cancelled_at_random_points_leave_nothing_behind() -> None:
+    # The template's spawn, its import, the forks, the ranks' run: each start
+    # begins with no template (stop_all) and is cancelled somewhere along it.
+    rng = make_rng("warm cancellation storm")
+    before, children = fd_census(), live_children()
+    for _ in range(scaled(12)):
+        with anyio.move_on_after(rng.uniform(0, 0.6)):
+            await aiospawn.start_processes(warm_ranks.report, nprocs=2, preload=["json"])
+        assert our_threads_blocked() == []
+        if rng.random() < 0.5:  # or the next start finds this one, ready or importing
+            _template.stop_all()
+    _template.stop_all()
+    assert wait_until(lambda: live_children() <= children), live_children() - children
+    assert wait_until(lambda: fd_census() <= before), sorted(fd_census() - before)
