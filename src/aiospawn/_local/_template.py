@@ -463,9 +463,10 @@ def _stale(key: TemplateKey) -> list[Template]:
         if template.gone:
             if template.pid is not None:
                 logger.warning(
-                    "warm-start template %s exited (%s); starting a new one",
+                    "warm-start template %s exited (%s)%s",
                     template.pid,
                     _describe(template.exit_status()),
+                    "; starting a new one" if other == key else "",
                 )
             stale.append(_templates.pop(other))
         elif other != key and template.users == 0 and now - template.last_used >= IDLE_TIMEOUT:
