@@ -15,6 +15,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import anyio.abc
 import psutil
 import pytest
 
@@ -74,6 +75,46 @@ async def cancel_once_ready(
         await anyio.wait_all_tasks_blocked()
         scope.cancel()
     return pids
+
+
+class ImportGate:
+    """Holds the imports of ``tests.warm_modules.gated`` until the test opens it.
+
+    The module connects to this gate's listening socket as its import begins
+    (:meth:`entered` accepts it: the handshake) and waits until the test
+    closes that connection. :meth:`open` lets every held import end, and
+    every later one pass at once (nobody listens any more).
+    """
+
+    def __init__(self, listener: anyio.abc.Listener[anyio.abc.SocketStream]) -> None:
+        self._listener = listener
+        self._held: list[anyio.abc.SocketStream] = []
+        self._opened = anyio.Event()
+        #: True once :meth:`open` was called.
+        self.is_open = False
+
+    async def entered(self, seconds: float = 30.0) -> None:
+        """Wait until an import reaches the gate; fail if none does within ``seconds``."""
+        with tripwire(seconds, "an import reaching the gate"):
+            self._held.append(await self._listener.accept())
+
+    async def open(self) -> None:
+        """Let the held imports end, and those to come pass."""
+        self.is_open = True
+        self._opened.set()
+        await self._listener.aclose()
+        for connection in self._held:
+            await connection.aclose()
+        self._held.clear()
+
+    async def open_after(self, seconds: float) -> None:
+        """A tripwire: open the gate after ``seconds``, so that code waiting for it unwinds.
+
+        Returns early once the gate is open.
+        """
+        with anyio.move_on_after(seconds):
+            await self._opened.wait()
+        await self.open()
 
 
 def drain(reader: Connection) -> list[Any]:

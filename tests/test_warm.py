@@ -16,24 +16,37 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+import anyio
 import psutil
 import pytest
 
 import aiospawn
 from aiospawn._local import _template
 from tests import ranks, warm_ranks
-from tests.helpers import is_gone, receive_ready, tripwire, wait_until
+from tests.helpers import (
+    ImportGate,
+    is_gone,
+    is_reaped,
+    is_running,
+    live_children,
+    receive_ready,
+    tripwire,
+    wait_until,
+)
 from tests.test_child import CRASH_MATRIX, Row
 from tests.test_launch import _read_line_within, is_alive
+from tests.test_reliability import make_rng, our_threads_blocked, scaled
 
 pytestmark = pytest.mark.anyio
 
 ROOT = Path(__file__).resolve().parent.parent
 COUNTED = warm_ranks.COUNTED
+LEAVES_CHILDREN = "tests.warm_modules.leaves_children"
 
 
 @pytest.fixture(autouse=True)
@@ -140,13 +153,14 @@ async def test_a_template_killed_while_its_ranks_run_fails_them_and_is_replaced(
     assert importers(import_log) == [killed, report["ppid"]]
 
 
-def test_a_start_on_a_dead_template_fails_clearly_and_the_next_start_replaces_it() -> None:
-    template = _template.Template.start(("json",))
+async def test_a_start_on_a_dead_template_fails_clearly_and_the_next_start_replaces_it() -> None:
+    template = await _template.acquire(("json",))
+    _template.release(template)
+    assert template.process is not None
     template.process.kill()
     template.process.join()
     with pytest.raises(_template.TemplateError, match=r"template \(pid \d+\) died .*new template"):
         template.fork(b"", [])
-    template.stop()
 
 
 async def test_a_template_that_dies_while_importing_fails_the_start() -> None:
@@ -364,11 +378,12 @@ def test_a_template_stays_single_threaded_and_runs_no_user_code_of_its_own() -> 
     code = textwrap.dedent(
         """
         import json, os, sys
+        import anyio
         from aiospawn._local import _template
-        t = _template.Template.start(("json",))
-        tasks = os.listdir(f"/proc/{t.process.pid}/task")
+        t = anyio.run(_template.acquire, ("json",))
+        tasks = os.listdir(f"/proc/{t.pid}/task")
         print(json.dumps(len(tasks)))
-        t.stop()
+        _template.stop_all()
         """
     )
     completed = subprocess.run(
@@ -448,3 +463,223 @@ def test_the_aiospawn_command_preloads_the_targets_own_modules(
     # Imported once, in the template both ranks were forked from.
     assert len({line["importer"] for line in shown}) == 1, shown
     assert all(line["importer"] != line["pid"] for line in shown), shown
+
+
+def fd_census() -> set[str]:
+    """Every descriptor of this process, as fd:target (sockets too, which the leak check skips)."""
+    fds = set()
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own fd, closed meanwhile
+            fds.add(f"{name}:{os.readlink(f'/proc/self/fd/{name}')}")
+    return fds
+
+
+async def test_a_template_that_dies_as_it_forks_fails_the_start_and_leaks_nothing() -> None:
+    before = fd_census()
+    with pytest.raises(
+        _template.TemplateError,
+        match=r"template \(pid \d+\) died \(exit code 5\) before it could start the rank",
+    ):
+        await aiospawn.start_processes(
+            warm_ranks.report, nprocs=2, preload=["tests.warm_modules.dies_at_fork"]
+        )
+    _template.stop_all()
+    assert wait_until(lambda: fd_census() <= before), sorted(fd_census() - before)
+
+
+async def test_a_template_killed_before_its_ranks_read_their_payload_fails_the_group_clearly() -> (
+    None
+):
+    # The ranks stall before they read their payload; the template dies then,
+    # and the ranks with it: their status sockets end with data unread (a reset).
+    before = fd_census()
+    ctx = await aiospawn.start_processes(
+        warm_ranks.report, nprocs=2, join=False, preload=["tests.warm_modules.stalls_ranks"]
+    )
+    killed = only_template()
+    os.kill(killed, signal.SIGKILL)
+    with (
+        tripwire(60, "join() of ranks whose template died before they read their payload"),
+        pytest.raises(aiospawn.ProcessExitedException) as info,
+    ):
+        await ctx.join()
+    assert info.value.signal_name == "SIGKILL"
+    assert f"its warm-start template (pid {killed}) died while it ran" in info.value.msg
+    del ctx, info
+    _template.stop_all()
+    assert wait_until(lambda: fd_census() <= before), sorted(fd_census() - before)
+
+
+@pytest.fixture
+def children_log(scratch: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """Where ``tests.warm_modules.leaves_children`` lists its processes; they end with the test."""
+    log = scratch / "children.log"
+    log.touch()
+    monkeypatch.setenv("WARM_CHILDREN_LOG", str(log))
+    yield log
+    for pid in importers(log):  # should they have outlived their template, for the next tests
+        with contextlib.suppress(psutil.NoSuchProcess):
+            psutil.Process(pid).kill()
+
+
+async def test_processes_a_preload_started_end_with_their_template(children_log: Path) -> None:
+    await aiospawn.start_processes(warm_ranks.report, preload=[LEAVES_CHILDREN])
+    template = only_template()
+    popen, forked = importers(children_log)
+    assert {psutil.Process(popen).ppid(), psutil.Process(forked).ppid()} == {template}
+    _template.stop_all()
+    assert wait_until(lambda: is_gone(popen) and is_gone(forked)), "outlived their template"
+
+
+async def test_a_template_reaps_the_processes_of_its_own_that_exit(children_log: Path) -> None:
+    # Its subreaper's duty: a child of the preload's (or an orphan) that exits is no zombie.
+    await aiospawn.start_processes(warm_ranks.report, preload=[LEAVES_CHILDREN])
+    children = importers(children_log)
+    for pid in children:
+        os.kill(pid, signal.SIGKILL)
+    assert wait_until(lambda: all(map(is_reaped, children))), [
+        psutil.Process(pid).status() for pid in children if not is_reaped(pid)
+    ]
+
+
+def test_the_launcher_with_a_preload_that_starts_processes_ends(children_log: Path) -> None:
+    # As `aiospawn run --preload ... | cat`: the output pipe ends when the launcher does.
+    with subprocess.Popen(
+        [
+            *(sys.executable, "-m", "aiospawn", "run", "-n", "2", "--stdout", "inherit"),
+            *("--preload", LEAVES_CHILDREN, "-m", "tests.cli_programs.show_preloaded"),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as launcher:
+        try:
+            out, err = launcher.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            launcher.kill()
+            launcher.communicate()
+            pytest.fail("the launcher's output pipe was still open 60 s after it started")
+    assert launcher.returncode == 0, err
+    assert len(out.splitlines()) == 2, out
+    assert not any(map(is_running, importers(children_log)))
+
+
+GATED = "tests.warm_modules.gated"
+
+
+@pytest.fixture
+async def gate(scratch: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[ImportGate]:
+    """Imports of ``tests.warm_modules.gated`` wait at this gate (opened after the test)."""
+    path = scratch / "gate.sock"
+    listener = await anyio.create_unix_listener(path)
+    monkeypatch.setenv("WARM_GATE", str(path))
+    gate = ImportGate(listener)
+    yield gate
+    await gate.open()
+
+
+@pytest.mark.parametrize("moment", ["at_once", "while_importing"])
+async def test_a_warm_start_cancelled_during_its_templates_import_returns_without_it(
+    gate: ImportGate, moment: str
+) -> None:
+    before = fd_census()
+    scope = anyio.CancelScope()
+
+    async def start() -> None:
+        with scope:
+            await aiospawn.start_processes(warm_ranks.report, preload=[GATED])
+        assert scope.cancelled_caught, "the start ended before it was cancelled"
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(gate.open_after, 20)  # should the start wait for the import
+        async with anyio.create_task_group() as starts:
+            starts.start_soon(start)
+            if moment == "at_once":
+                await anyio.wait_all_tasks_blocked()
+            else:
+                await gate.entered()  # the template is importing
+            scope.cancel()
+        in_time = not gate.is_open
+        blocked = our_threads_blocked()
+        await gate.open()
+    assert in_time, "the cancelled start waited for its template's import"
+    assert blocked == []
+    # The import ran on, in the template the cancelled start spawned; no rank started.
+    [importing] = _template.running_templates()
+    assert psutil.Process(importing).children() == []
+    [report] = await aiospawn.start_processes(warm_ranks.report, preload=[GATED])
+    assert report["ppid"] == importing
+    _template.stop_all()
+    assert wait_until(lambda: fd_census() <= before), sorted(fd_census() - before)
+
+
+async def test_unrelated_warm_groups_do_not_wait_for_each_others_imports(gate: ImportGate) -> None:
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(gate.open_after, 20)  # should the second group wait for the import
+        tg.start_soon(lambda: aiospawn.start_processes(warm_ranks.report, preload=[GATED]))
+        await gate.entered()
+        [report] = await aiospawn.start_processes(warm_ranks.report, preload=["json"])
+        in_time = not gate.is_open
+        await gate.open()  # the first group ends too
+    assert in_time, "a warm group waited for another group's template to import"
+    assert report["rank"] == 0
+
+
+async def test_idle_templates_beyond_the_bound_are_stopped(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_template, "MAX_TEMPLATES", 1)
+    await aiospawn.start_processes(warm_ranks.report, preload=["json"])
+    first = only_template()
+    await aiospawn.start_processes(warm_ranks.report, preload=["decimal"])
+    assert only_template() != first
+    assert is_reaped(first)
+
+
+async def test_a_template_idle_for_the_idle_timeout_is_stopped_at_the_next_warm_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_template, "IDLE_TIMEOUT", 0.0)
+    await aiospawn.start_processes(warm_ranks.report, preload=["json"])
+    first = only_template()
+    # A service that changes its environment between groups: a new key, a new template.
+    monkeypatch.setenv("WARM_PROBE", "another environment")
+    await aiospawn.start_processes(warm_ranks.report, preload=["json"])
+    assert only_template() != first
+    assert is_reaped(first)
+
+
+async def test_a_template_whose_ranks_run_is_never_stopped_as_idle(
+    monkeypatch: pytest.MonkeyPatch, events: tuple[Connection, Connection]
+) -> None:
+    monkeypatch.setattr(_template, "MAX_TEMPLATES", 1)
+    monkeypatch.setattr(_template, "IDLE_TIMEOUT", 0.0)
+    reader, writer = events
+    ctx = await aiospawn.start_processes(
+        warm_ranks.ready_then_wait, (writer,), join=False, preload=["json"]
+    )
+    [pid] = (await receive_ready(reader, 1)).values()
+    busy = only_template()
+    await aiospawn.start_processes(warm_ranks.report, preload=["decimal"])
+    assert busy in _template.running_templates()
+    assert is_running(pid)
+    await ctx.terminate()
+    # Idle now: the next warm start stops it.
+    await aiospawn.start_processes(warm_ranks.report, preload=["decimal"])
+    assert busy not in _template.running_templates()
+    assert is_reaped(busy)
+
+
+async def test_warm_starts_cancelled_at_random_points_leave_nothing_behind() -> None:
+    # The template's spawn, its import, the forks, the ranks' run: each start
+    # begins with no template (stop_all) and is cancelled somewhere along it.
+    rng = make_rng("warm cancellation storm")
+    before, children = fd_census(), live_children()
+    for _ in range(scaled(12)):
+        with anyio.move_on_after(rng.uniform(0, 0.6)):
+            await aiospawn.start_processes(warm_ranks.report, nprocs=2, preload=["json"])
+        assert our_threads_blocked() == []
+        if rng.random() < 0.5:  # or the next start finds this one, ready or importing
+            _template.stop_all()
+    _template.stop_all()
+    assert wait_until(lambda: live_children() <= children), live_children() - children
+    assert wait_until(lambda: fd_census() <= before), sorted(fd_census() - before)

@@ -106,7 +106,8 @@ class GroupOptions(TypedDict, total=False):
             (a fresh interpreter with this process's ``sys.path``, ``sys.argv``
             and main script, as under ``forkserver``), shared by the groups of
             this process with the same list, ``sys.path`` and environment, and
-            stopped when this process exits. It refuses, with
+            stopped once idle (the docs' warm-starts page says when) or when
+            this process exits. It refuses, with
             :class:`RuntimeError`, a preload that leaves threads running or
             CUDA initialised. With ``spawn`` (the default) or ``forkserver``;
             not with ``fork``. Preloaded modules see the template's environment
@@ -246,7 +247,9 @@ async def start_processes(
         Cancelling the call while ranks start or run shuts every started rank
         down (SIGTERM, grace period, SIGKILL) and reaps it before the
         cancellation is re-raised, unchanged. A second cancellation does not
-        cut that short. Nothing is left running.
+        cut that short. Nothing is left running. With ``preload``, a
+        cancellation while the template still imports the preload returns
+        at once; the import goes on in the template, for the next start.
     """
     with signals_wake_the_loop():  # a notebook's stop button cancels this call
         ctx = await _start_group(
@@ -384,7 +387,9 @@ async def open_group(
     Cancellation:
         Cancelling the scope that owns the block shuts the ranks down
         (SIGTERM, grace period, SIGKILL) and reaps them all before the
-        cancellation propagates, unchanged.
+        cancellation propagates, unchanged. With ``preload``, a cancellation
+        while the template still imports returns at once (as for
+        :func:`start_processes`).
     """
     with signals_wake_the_loop():  # a notebook's stop button cancels the block
         ctx: AsyncProcessContext[T] = await _start_group(

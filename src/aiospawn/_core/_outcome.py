@@ -58,6 +58,9 @@ class RankExit:
             through the supervisor (``prefix``, ``capture`` or ``tee``).
         note: What the backend knows of the exit beyond its code (such as the
             machine the rank ran on), added to the exception as a note.
+        cause: What ended the rank, when the backend knows it and the code
+            alone would mislead (a warm rank whose template died is reported as
+            SIGKILL): said in the message in place of a guess.
     """
 
     rank: int
@@ -67,6 +70,7 @@ class RankExit:
     stopped_by_us: bool
     stderr_tail: tuple[str, ...] = ()
     note: str | None = None
+    cause: str | None = None
 
     @property
     def succeeded(self) -> bool:
@@ -155,7 +159,7 @@ class RankExit:
                     " that closes every descriptor, such as os.closerange(3, ...), does this),"
                     " so its outcome is lost; unless fn exited with this code itself"
                 )
-            return self.exit_code, None
+            return self.exit_code, self.cause
         if self.frame[0] != Kind.EXITED:
             return self.exit_code, None
         try:

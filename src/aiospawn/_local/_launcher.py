@@ -18,8 +18,10 @@ are pickled, and go by value (cloudpickle) if any of them needs it. Those
 travel as one :class:`~aiospawn._rank.bootstrap.Payload`.
 
 With ``preload``, a rank's process is a :class:`~._template.WarmProcess`
-forked by a shared template (``_template``); its start blocks too (the
-template may have to import the preload first), so it runs on a thread.
+forked by a shared template (``_template``). The group first leases a ready
+template: waiting for its import happens on the event loop, cancellable, with
+no thread blocked; the forks then run on threads as other starts do (the
+template answers at once).
 """
 
 from __future__ import annotations
@@ -179,7 +181,26 @@ class LocalLauncher:
         """Start ``ranks``, made by :meth:`make_rank`, side by side (see :func:`start_ranks`)."""
         local = [rank for rank in ranks if isinstance(rank, LocalRank)]
         assert len(local) == len(ranks), "a local launcher starts the ranks it made"
-        await start_ranks(local, "warm" if self._spec.preload else self._spec.start_method)
+        if not self._spec.preload:
+            await start_ranks(local, self._spec.start_method)
+            return
+        from ._template import WarmProcess, acquire, release
+
+        try:
+            template = await acquire(self._spec.preload)
+        except BaseException as exc:
+            for rank in local:
+                rank.discard()
+            if isinstance(exc, Exception) and local:
+                raise_start_error({min(rank.rank for rank in local): exc}, len(local))
+            raise
+        try:
+            for rank in local:
+                assert isinstance(rank.process, WarmProcess)
+                rank.process.template = template
+            await start_ranks(local, "warm")
+        finally:
+            release(template)  # each rank forked holds it on its own
 
     def new_rendezvous(self) -> None:
         """Pick a fresh ``MASTER_PORT``, not the last one, for the next ranks made."""

@@ -331,6 +331,8 @@ class LocalRank:
             frame=self._frame.frame(),
             stopped_by_us=self._stopped_by_us,
             stderr_tail=self._output.stderr_tail(),
+            # A warm rank whose template died: said so, not blamed on the OOM killer.
+            cause=getattr(self.process, "exit_cause", None),
         )
         descendants.close_pinned(self._strays)
         self._strays = []

@@ -5,17 +5,32 @@ each is forked by a template process that imported those modules once (the
 template's own side, and the protocol, are in ``aiospawn._rank.template``).
 
 - :class:`Template`: one template process, its control socket, its handshake.
-- :func:`template_for`: the template of a preload list, shared by every group
-  of this process whose preload list, ``sys.path`` and environment agree;
-  started on first use, started again if it died.
+- :func:`acquire` / :func:`release`: a group's start leases the template of
+  its preload list, shared by every group of this process whose preload list,
+  ``sys.path`` and environment agree; started on first use, started again if
+  it died. A template's lease count is its starts under way and its ranks
+  running; one with none is idle, and idle templates are stopped (see
+  :data:`IDLE_TIMEOUT` and :data:`MAX_TEMPLATES`).
 - :class:`WarmProcess`: what a :class:`~aiospawn._local._rank.LocalRank` holds
-  in place of a ``multiprocessing`` process: ``start()`` asks the template to
+  in place of a ``multiprocessing`` process: ``start()`` asks its template to
   fork, ``sentinel`` becomes readable once the template reaped the rank, and
   ``exitcode`` is then the status the template sent, exact as for any rank.
 - :func:`stop_all`: stop every template (at interpreter exit, and in tests).
 
-Starting a template blocks (it imports the preload), so it happens inside
-``WarmProcess.start()``, which the launcher runs on worker threads.
+A template's life, as a start sees it::
+
+    acquire() ──► spawn (a worker thread: Process.start(), under the
+                  template's own lock, never held across the import)
+              ──► wait_ready() on the event loop: its control socket says
+                  b"R" (ready) or b"E" (refused), or its pidfd says it died.
+                  Cancellable: the import runs on in the template, and the
+                  next start of the same key finds it, importing or ready.
+              ──► fork() each rank (worker threads; the template answers at once)
+    release() ──► idle once its ranks have ended too
+
+The registry lock guards the table of templates and their lease counts only,
+and is never held across anything that waits; so unrelated groups never wait
+for each other's imports.
 """
 
 from __future__ import annotations
@@ -33,8 +48,11 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
+
+import anyio
 
 from aiospawn._core._errors import describe_exit
 from aiospawn._core._log import logger
@@ -46,6 +64,14 @@ from . import _pipes
 
 #: Seconds a template may take to exit once its control socket is closed.
 STOP_PATIENCE = 5.0
+
+#: Seconds after which an idle template (no start under way, no rank running)
+#: is stopped, at the next warm start of this process.
+IDLE_TIMEOUT = 300.0
+
+#: The most templates this process keeps: beyond it, a warm start stops the
+#: idle ones, the least recently used first (templates in use are never stopped).
+MAX_TEMPLATES = 4
 
 
 class TemplateError(RuntimeError):
@@ -71,31 +97,93 @@ class TemplateKey(NamedTuple):
 
 
 class Template:
-    """One running template process and the supervisor's end of its control socket.
+    """One template process and the supervisor's end of its control socket.
 
-    Made by :meth:`start`, which returns once the template has imported its
-    preload and said it is safe to fork.
+    Made (not started) by :func:`acquire`; :meth:`spawn` starts its process,
+    :meth:`wait_ready` waits until it has imported its preload and said it is
+    safe to fork.
     """
 
-    def __init__(self, process: multiprocessing.process.BaseProcess, control: socket.socket):
-        self.process = process
-        self._control = control
+    def __init__(self, key: TemplateKey) -> None:
+        self.key = key
+        self.process: multiprocessing.process.BaseProcess | None = None
+        self._control: socket.socket | None = None
+        #: A pidfd of the template, for waiters to learn of its death (None
+        #: without pidfds: the sentinel then).
+        self._pidfd: int | None = None
+        self._spawn_lock = threading.Lock()  # this template's alone: held while it is spawned
+        self._spawn_error: BaseException | None = None
         self._lock = threading.Lock()  # one request at a time on the control socket
+        self._reply: bytes | None = None
         self._closed = False
+        self._stopped = False
         #: The template's exit code, once stopped.
         self.exit_code: int | None = None
+        #: Starts under way and ranks running from it (under the registry lock).
+        self.users = 0
+        #: ``time.monotonic()`` when it was last used.
+        self.last_used = time.monotonic()
 
-    @classmethod
-    def start(cls, preload: tuple[str, ...]) -> Template:
-        """Spawn a template, wait until it has imported ``preload``. Blocking.
+    def __repr__(self) -> str:
+        pid = None if self.process is None else self.process.pid
+        state = {None: "starting", b"R": "ready"}.get(self._reply, "failed")
+        return f"<Template pid={pid} {state} users={self.users} preload={list(self.key.preload)}>"
+
+    @property
+    def pid(self) -> int | None:
+        """The template's pid, once spawned."""
+        return None if self.process is None else self.process.pid
+
+    @property
+    def gone(self) -> bool:
+        """True if it failed or exited (reaping it if so): the next start needs a new one."""
+        if self._spawn_error is not None or self._closed:
+            return True
+        if self._reply is not None and self._reply[:1] != b"R":
+            return True
+        return self.process is not None and self.exit_status() is not None
+
+    def exit_status(self) -> int | None:
+        """The template's exit code if it has exited (reaping it), else None."""
+        if self._stopped:
+            return self.exit_code
+        try:
+            return None if self.process is None else self.process.exitcode
+        except ValueError:  # closed by stop() meanwhile, on another thread
+            return self.exit_code
+
+    def spawn(self) -> None:
+        """Start the template's process, unless it was started already. Blocking, briefly.
+
+        Returns once the process exists, not once it has imported anything:
+        :meth:`wait_ready` waits for that.
 
         Raises:
-            TemplateError: A preload module failed to import, or left the
-                process unsafe to fork (threads, CUDA), or the template died.
+            TemplateError: The process could not be started.
         """
+        with self._spawn_lock:
+            if self._spawn_error is not None:
+                raise TemplateError(
+                    f"the warm-start template could not be started: {self._spawn_error!r}"
+                ) from self._spawn_error
+            if self.process is not None:
+                return
+            try:
+                self._spawn()
+            except Exception as exc:
+                self._spawn_error = exc
+                raise TemplateError(
+                    f"the warm-start template could not be started: {exc!r}"
+                ) from exc
+            except BaseException as exc:
+                self._spawn_error = exc
+                raise
+
+    def _spawn(self) -> None:
+        preload = self.key.preload
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         # In the table of what a fork rank drops (_pipes): the template's
-        # control socket and sentinel are the supervisor's, not a rank's.
+        # control socket, sentinel and pidfd are the supervisor's, not a rank's.
         _pipes.track(ours.fileno())
         # A fresh interpreter, as spawn gives a rank: nothing of this process's
         # threads, event loop or memory; its sys.path, argv and main script.
@@ -117,43 +205,89 @@ class Template:
         # Ours to reap, and ours to stop: not multiprocessing's to join at exit
         # (cpython#148318 for why no other thread may reap it either).
         multiprocessing.process._children.discard(process)  # type: ignore[attr-defined]
-        template = cls(process, ours)
-        try:
-            reply = template._receive_reply()
-        except BaseException:
-            template.stop()
-            raise
-        if reply.startswith(b"R"):
-            logger.debug("warm-start template %s ready, preload %s", process.pid, preload)
-            for note in reply[1:].decode("utf-8", "replace").splitlines():
-                # Information, not a warning: the usual native thread (OpenBLAS's
-                # pool) is made again in a rank that needs it, and numpy starts
-                # it wherever numpy is imported.
-                logger.info("warm-start template %s: %s", process.pid, note)
-            return template
-        pid = process.pid
-        template.stop()
-        if reply.startswith(b"E"):
+        with contextlib.suppress(AttributeError, OSError):  # no pidfd: the sentinel serves
+            self._pidfd = _pipes.track(os.pidfd_open(process.pid))
+        self._control = ours
+        self.process = process
+
+    async def wait_ready(self) -> None:
+        """Wait until the template has imported its preload and is ready to fork.
+
+        Waits on the event loop, on descriptors of its own (so that any
+        number of starts, on any loops, can wait for one template).
+
+        Raises:
+            TemplateError: A preload module failed to import, or left the
+                process unsafe to fork (threads, CUDA), or the template died.
+
+        Cancellation: returns at once; the template imports on, and a later
+        start of the same preload finds it.
+        """
+        while not self._poll_reply():
+            assert self._control is not None
+            assert self.process is not None
+            # The reply stays queued on the control socket (it is only ever
+            # peeked at), so the socket stays readable for every waiter; a
+            # template that died says so on its pidfd, even if a process the
+            # preload forked holds its end of the socket.
+            death = self._pidfd if self._pidfd is not None else self.process.sentinel
+            watched = [_pipes.track(os.dup(fd)) for fd in (self._control.fileno(), death)]
+            try:
+                await _wait_any(watched)
+            finally:
+                for fd in watched:
+                    _pipes.close(fd)
+        reply = self._reply
+        assert reply is not None
+        if reply[:1] == b"R":
+            return
+        pid = self.pid
+        if reply[:1] == b"E":
             raise TemplateError(
                 f"warm starts refused: {reply[1:].decode('utf-8', 'replace')}"
-                f" (preload={list(preload)!r})"
+                f" (preload={list(self.key.preload)!r})"
             )
+        await _run_to_completion(self.stop)  # for its exit code
         raise TemplateError(
             f"the warm-start template (pid {pid}) exited with"
-            f" {_describe(template.exit_code)} while importing preload={list(preload)!r};"
+            f" {_describe(self.exit_code)} while importing preload={list(self.key.preload)!r};"
             " its stderr says why"
         )
 
-    @property
-    def alive(self) -> bool:
-        """True unless the template has exited (reaping it if so)."""
-        return not self._closed and self.process.exitcode is None
+    def _poll_reply(self) -> bool:
+        """Read the template's answer if it came (or its death); True once known."""
+        if self._reply is not None:
+            return True
+        assert self._control is not None
+        dead = self.exit_status() is not None  # first: a reply sent before death is queued
+        try:
+            reply: bytes | None = self._control.recv(1 << 20, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            reply = None
+        except OSError:
+            reply = b""
+        if reply is None and not dead:
+            return False
+        with self._lock:
+            if self._reply is None:
+                self._reply = reply or b""
+                if self._reply[:1] == b"R":
+                    logger.debug(
+                        "warm-start template %s ready, preload %s", self.pid, self.key.preload
+                    )
+                    for note in self._reply[1:].decode("utf-8", "replace").splitlines():
+                        # Information, not a warning: the usual native thread
+                        # (OpenBLAS's pool) is made again in a rank that needs
+                        # it, and numpy starts it wherever numpy is imported.
+                        logger.info("warm-start template %s: %s", self.pid, note)
+        return True
 
     def fork(self, payload: bytes, fds: list[int]) -> tuple[socket.socket, int]:
         """Have the template fork a rank that reads ``payload``; return its status socket and pid.
 
         Blocking: the rank reads ``payload`` as it starts. ``fds`` are sent
-        along, in the rank's ``ReceivedFd`` order.
+        along, in the rank's ``ReceivedFd`` order. The template is ready
+        (:meth:`wait_ready`), so it answers at once.
 
         Raises:
             TemplateError: The template died, or is gone, before the rank started.
@@ -167,7 +301,7 @@ class Template:
         _pipes.track(ours.fileno())
         try:
             with self._lock:
-                if self._closed:
+                if self._closed or self._control is None:
                     raise self._died()
                 try:
                     socket.send_fds(self._control, [b"F"], [theirs.fileno(), *fds])
@@ -188,37 +322,42 @@ class Template:
         return ours, pid
 
     def stop(self) -> None:
-        """Close the control socket, wait for the template to exit, reap it. Idempotent."""
-        if self.exit_code is not None:
-            return
+        """Close the control socket, wait for the template to exit, reap it. Idempotent.
+
+        Blocking: up to :data:`STOP_PATIENCE` seconds, then SIGKILL.
+        """
+        with self._spawn_lock:  # not while it is being spawned
+            if self._stopped:
+                return
+            self._stopped = True
         with self._lock:
             self._closed = True
-            _pipes.forget(self._control.fileno())
-            self._control.close()  # end-of-file: the template exits
-        self.process.join(STOP_PATIENCE)
-        if self.process.exitcode is None:
-            self.process.kill()
-            self.process.join()
-        self.exit_code = self.process.exitcode
-        _pipes.forget(self.process.sentinel)
-        self.process.close()
-
-    def _receive_reply(self) -> bytes:
-        watched = [self._control.fileno(), self.process.sentinel]
-        while True:
-            ready, _, _ = select.select(watched, [], [])
-            if watched[0] in ready:
-                return self._control.recv(1 << 20)
-            if watched[1] in ready:
-                return b""
+            if self._control is not None:
+                _pipes.forget(self._control.fileno())
+                self._control.close()  # end-of-file: the template exits
+        process = self.process
+        if process is None:
+            return
+        process.join(STOP_PATIENCE)
+        if process.exitcode is None:
+            process.kill()
+            process.join()
+        self.exit_code = process.exitcode
+        _pipes.forget(process.sentinel)
+        process.close()
+        if self._pidfd is not None:
+            _pipes.close(self._pidfd)
+            self._pidfd = None
 
     def _read(self, sock: socket.socket, size: int) -> bytes:
         # The rank's status socket gives end-of-file if the template died
-        # (the rank, holding its end, dies with it); the template's sentinel
-        # says so at once when no rank holds it.
+        # (the rank, holding its end, dies with it); the template's pidfd
+        # (or sentinel) says so at once when no rank holds it.
+        assert self.process is not None
+        death = self._pidfd if self._pidfd is not None else self.process.sentinel
         data = b""
         while len(data) < size:
-            ready, _, _ = select.select([sock.fileno(), self.process.sentinel], [], [])
+            ready, _, _ = select.select([sock.fileno(), death], [], [])
             if sock.fileno() not in ready:
                 raise EOFError("the template exited")
             chunk = sock.recv(size - len(data))
@@ -229,6 +368,7 @@ class Template:
 
     def _died(self) -> TemplateError:
         self._closed = True
+        assert self.process is not None
         self.process.join(STOP_PATIENCE)
         return TemplateError(
             f"the warm-start template (pid {self.process.pid}) died"
@@ -241,38 +381,122 @@ def _describe(exit_code: int | None) -> str:
     return "exit status unknown" if exit_code is None else describe_exit(exit_code)
 
 
+async def _wait_any(fds: list[int]) -> None:
+    """Wait until one of ``fds`` is readable."""
+    async with anyio.create_task_group() as tg:
+
+        async def wait(fd: int) -> None:
+            await anyio.wait_readable(fd)
+            tg.cancel_scope.cancel()
+
+        for fd in fds:
+            tg.start_soon(wait, fd)
+
+
+async def _run_to_completion(blocking: Callable[[], object]) -> None:
+    """Run ``blocking`` on a worker thread to its end, even if the caller is cancelled meanwhile."""
+    with anyio.CancelScope(shield=True):
+        await anyio.to_thread.run_sync(blocking)
+
+
+#: Every template of this process, by key; and the lock of that table and of
+#: each template's ``users`` and ``last_used``. Never held across a wait.
 _templates: dict[TemplateKey, Template] = {}
-_templates_lock = threading.Lock()
+_registry_lock = threading.Lock()
 
 
-def template_for(preload: tuple[str, ...]) -> Template:
-    """The running template of ``preload`` for this process's ``sys.path`` and environment.
+async def acquire(preload: tuple[str, ...]) -> Template:
+    """Lease the ready template of ``preload`` for this process's ``sys.path`` and environment.
 
-    Started (blocking) if there is none, or if the last one died.
+    Started if there is none, or if the last one died; idle templates are
+    stopped on the way (see :data:`IDLE_TIMEOUT`, :data:`MAX_TEMPLATES`).
+    Give the lease back with :func:`release` once the group's ranks are
+    forked: each rank holds the template until its exit is recorded.
 
     Raises:
-        TemplateError: As :meth:`Template.start`.
+        TemplateError: As :meth:`Template.spawn` and :meth:`Template.wait_ready`;
+            a template that failed is stopped before it is raised.
+
+    Cancellation: returns once the template's process exists (a spawn is
+    never abandoned half-way); its import goes on, unleased.
     """
     key = TemplateKey.current(preload)
-    with _templates_lock:
+    with _registry_lock:
         template = _templates.get(key)
-        if template is not None and template.alive:
-            return template
-        if template is not None:
-            logger.warning(
-                "warm-start template %s exited (%s); starting a new one",
-                template.process.pid,
-                _describe(template.process.exitcode),
-            )
-            del _templates[key]
-            template.stop()
-        template = _templates[key] = Template.start(preload)
-        return template
+        stale = _stale(key)
+        if template is None or template in stale:
+            template = _templates[key] = Template(key)
+        template.users += 1
+    try:
+        if template.process is None or stale:
+            await _run_to_completion(lambda: _prepare(template, stale))
+        await template.wait_ready()
+    except BaseException:
+        release(template)
+        if template.gone:
+            with _registry_lock:
+                if _templates.get(key) is template:
+                    del _templates[key]
+            await _run_to_completion(template.stop)
+        raise
+    return template
+
+
+def release(template: Template) -> None:
+    """Give back one lease of ``template`` (a start's, or a rank's once it ended)."""
+    with _registry_lock:
+        template.users -= 1
+        template.last_used = time.monotonic()
+
+
+def _hold(template: Template) -> None:
+    """Take one more lease of ``template``: a rank forked from it."""
+    with _registry_lock:
+        template.users += 1
+
+
+def _stale(key: TemplateKey) -> list[Template]:
+    """Take out of the table the templates to stop: gone, or idle too long, or too many.
+
+    Called under the registry lock; the template of ``key`` is kept unless it is gone.
+    """
+    now = time.monotonic()
+    stale = []
+    for other, template in list(_templates.items()):
+        if template.gone:
+            if template.pid is not None:
+                logger.warning(
+                    "warm-start template %s exited (%s)%s",
+                    template.pid,
+                    _describe(template.exit_status()),
+                    "; starting a new one" if other == key else "",
+                )
+            stale.append(_templates.pop(other))
+        elif other != key and template.users == 0 and now - template.last_used >= IDLE_TIMEOUT:
+            stale.append(_templates.pop(other))
+    idle = sorted(
+        (t for k, t in _templates.items() if k != key and t.users == 0),
+        key=lambda t: t.last_used,
+    )
+    excess = len(_templates) + (key not in _templates) - MAX_TEMPLATES
+    for template in idle[: max(0, excess)]:
+        stale.append(_templates.pop(template.key))
+    return stale
+
+
+def _prepare(template: Template, stale: list[Template]) -> None:
+    """Spawn ``template`` (if need be), then stop ``stale``. Blocking: on a worker thread."""
+    try:
+        template.spawn()
+    finally:
+        for old in stale:
+            logger.debug("stopping warm-start template %s (%r)", old.pid, old)
+            old.stop()
 
 
 def stop_all() -> None:
     """Stop every template of this process (at exit; tests call it between tests)."""
-    with _templates_lock:
+    with _registry_lock:
         templates = list(_templates.values())
         _templates.clear()
     for template in templates:
@@ -284,8 +508,8 @@ atexit.register(stop_all)
 
 def running_templates() -> list[int]:
     """The pids of this process's templates (for tests and diagnostics)."""
-    with _templates_lock:
-        return [t.process.pid for t in _templates.values() if t.process.pid is not None]
+    with _registry_lock:
+        return [t.pid for t in _templates.values() if t.pid is not None]
 
 
 class _StatusChannel:
@@ -294,8 +518,11 @@ class _StatusChannel:
     ``LocalRank`` closes a process's ``_popen`` once the rank is reaped.
     """
 
-    def __init__(self, sock: socket.socket, pid: int) -> None:
+    def __init__(self, sock: socket.socket, pid: int, template: Template) -> None:
         self.sock = sock
+        # The rank holds its template until its exit is recorded: never stopped as idle.
+        self._template = template
+        _hold(template)
         self.fd = sock.fileno()
         sock.setblocking(False)
         self.pidfd: int | None = None
@@ -317,6 +544,11 @@ class _StatusChannel:
                 self._data += chunk
         except BlockingIOError:
             return None
+        except OSError:
+            # ECONNRESET: the rank died with its payload unread, and the
+            # template with it (the last holder of the socket): no status comes.
+            self.eof = True
+            return EOFError()
         kind, code = STATUS.unpack(self._data)
         assert kind == b"X", kind
         return int(code)
@@ -333,6 +565,7 @@ class _StatusChannel:
         if self.closed:
             return
         self.closed = True
+        release(self._template)
         _pipes.forget(self.fd)
         self.sock.close()
         if self.pidfd is not None:
@@ -383,6 +616,11 @@ class WarmProcess:
         self._popen: _StatusChannel | None = None
         self._exitcode: int | None = None
         self._sentinel = -1
+        #: The ready template to fork from, leased by the launcher before the start.
+        self.template: Template | None = None
+        self._template_pid: int | None = None
+        #: What ended the rank, when its exit code alone would mislead.
+        self.exit_cause: str | None = None
 
     def __repr__(self) -> str:
         state = "initial" if self.pid is None else ("started" if self._exitcode is None else "")
@@ -410,13 +648,17 @@ class WarmProcess:
                     self.pid,
                 )
                 self._exitcode = -signal.SIGKILL
+                self.exit_cause = (
+                    f"its warm-start template (pid {self._template_pid}) died while it ran,"
+                    " and the rank with it; the rank's own exit status is lost"
+                )
         return self._exitcode
 
     def start(self) -> None:
-        """Fork the rank from its template (starting the template first if needed). Blocking.
+        """Fork the rank from its (ready) template. Blocking, briefly.
 
         Raises:
-            TemplateError: As :func:`template_for` and :meth:`Template.fork`.
+            TemplateError: As :meth:`Template.fork`.
             Exception: ``fn`` or ``args`` could not be pickled.
         """
         collector = FdCollector()
@@ -427,9 +669,11 @@ class WarmProcess:
         finally:
             multiprocessing.context.set_spawning_popen(None)
         payload = pickle.dumps((setup, call), protocol=pickle.HIGHEST_PROTOCOL)
-        template = template_for(self._preload)
+        template = self.template
+        assert template is not None, "the launcher leases the template first (acquire)"
         sock, self.pid = template.fork(payload, collector.fds)
-        self._popen = _StatusChannel(sock, self.pid)
+        self._template_pid = template.pid
+        self._popen = _StatusChannel(sock, self.pid, template)
         self._sentinel = self._popen.fd
 
     def is_alive(self) -> bool:

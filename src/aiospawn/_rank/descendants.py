@@ -75,6 +75,12 @@ def descendants(root: int) -> list[int]:
     return found
 
 
+def children(pid: int) -> list[int]:
+    """The pids of ``pid``'s children, zombies included."""
+    listed = _children(pid)
+    return listed if listed is not None else _children_table().get(pid, [])
+
+
 def pin_descendants(root: int, *, group: int) -> tuple[list[int], list[int]]:
     """Pidfds of ``root``'s live descendants: ``(outside, inside)`` the process group ``group``.
 

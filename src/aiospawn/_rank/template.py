@@ -28,6 +28,13 @@ forever). It exits when the supervisor closes the control socket or dies; its
 ranks die with it (``PR_SET_PDEATHSIG``, sound here because the template has
 one thread), and each rank also watches the supervisor itself (``bootstrap``).
 
+The template is the subreaper of its descendants, as a rank is (see
+``descendants``): processes a preload module started at import (a
+``subprocess.Popen``, an ``os.fork``), and whatever a rank left behind when it
+died, stay in its tree. It reaps those that exit while it runs (``SIGCHLD``
+wakes its ``poll()``), and kills all that are left when it ends, so that none
+outlives it (a SIGKILLed template cannot: its ranks still die with it).
+
 Standard library only, like the rest of ``aiospawn._rank``.
 """
 
@@ -49,6 +56,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from . import descendants
 from .bootstrap import RankSetup, run_rank
 from .wire import ChildEnd
 
@@ -64,6 +72,10 @@ MAX_FDS = 64
 
 #: ``prctl(2)`` option: the signal this process gets when its parent thread exits.
 _PR_SET_PDEATHSIG = 1
+
+#: Seconds the template waits, as it ends, for the descendants it killed to be
+#: gone (well within the supervisor's patience with a stopping template).
+END_PATIENCE = 2.0
 
 #: The fds a rank was sent with its fork request, in the order of its payload's
 #: :class:`ReceivedFd` indices (set in the rank just before its payload is read).
@@ -134,24 +146,40 @@ def serve(control: ChildEnd, preload: tuple[str, ...], supervisor_pid: int) -> N
     # A terminal's Ctrl-C reaches our process group too; the supervisor
     # decides what it means. The ranks get SIGINT's default back.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    sock = socket.socket(fileno=control.fd)
-    refusal, notes = _preload(preload)
-    if refusal is not None:
-        sock.send(b"E" + refusal.encode("utf-8", "replace"))
-        return
-    # Objects the preload made will not be freed: keep the collector off their
-    # memory, so that it stays shared with the ranks instead of being copied
-    # page by page when a rank's collection touches it (gc.freeze docs).
-    gc.collect()
-    gc.freeze()
-    sock.send(b"R" + "\n".join(notes).encode("utf-8", "replace"))
-    rank = _Loop(sock, supervisor_pid).run()
+    # Before the preload: what it starts stays ours to reap and to kill.
+    descendants.become_subreaper()
+    template = os.getpid()
+    try:
+        rank = _serve(socket.socket(fileno=control.fd), preload, supervisor_pid)
+    finally:
+        if os.getpid() == template:  # not in a rank, which returns from _Loop.run too
+            descendants.kill_descendants(template, END_PATIENCE)
+            _reap_all()
     if rank is not None:
         # The rank's frames start here, outside the loop's own handlers.
         try:
             run_rank(rank.fn, rank.rank, rank.args, rank.channel, rank.setup)
         finally:
             os._exit(1)  # run_rank ends the process itself; never the template's code
+
+
+def _serve(sock: socket.socket, preload: tuple[str, ...], supervisor_pid: int) -> _Rank | None:
+    """Preload, answer, and serve fork requests; the rank to run in a forked child, else None."""
+    refusal, notes = _preload(preload)
+    # The supervisor may have stopped waiting (a stale template it stopped
+    # while this one imported): then the loop finds the socket closed.
+    if refusal is not None:
+        with contextlib.suppress(OSError):
+            sock.send(b"E" + refusal.encode("utf-8", "replace"))
+        return None
+    # Objects the preload made will not be freed: keep the collector off their
+    # memory, so that it stays shared with the ranks instead of being copied
+    # page by page when a rank's collection touches it (gc.freeze docs).
+    gc.collect()
+    gc.freeze()
+    with contextlib.suppress(OSError):
+        sock.send(b"R" + "\n".join(notes).encode("utf-8", "replace"))
+    return _Loop(sock, supervisor_pid).run()
 
 
 def _preload(modules: tuple[str, ...]) -> tuple[str | None, list[str]]:
@@ -244,6 +272,16 @@ class _Loop:
             self._poller.register(self._supervisor, select.POLLIN)
         #: pidfd -> (pid, the rank's status socket)
         self._children: dict[int, tuple[int, socket.socket]] = {}
+        # Other children (the preload's, orphans re-parented to this
+        # subreaper) are reaped when SIGCHLD says one exited: the handler does
+        # nothing, the wakeup fd wakes poll().
+        self._wakeup, self._wakeup_w = os.pipe()
+        for fd in (self._wakeup, self._wakeup_w):
+            os.set_blocking(fd, False)
+        signal.signal(signal.SIGCHLD, _ignore_signal)
+        signal.set_wakeup_fd(self._wakeup_w)
+        self._poller.register(self._wakeup, select.POLLIN)
+        self._reap_strays()  # those that exited before we listened
 
     def run(self) -> _Rank | None:
         """Serve until the supervisor goes (None), or return the rank in a forked child."""
@@ -261,6 +299,11 @@ class _Loop:
                         return rank
                 elif fd == self._supervisor:
                     return None
+                elif fd == self._wakeup:
+                    with contextlib.suppress(BlockingIOError):
+                        while os.read(self._wakeup, 512):
+                            pass
+                    self._reap_strays()
                 else:
                     self._reap(fd)
 
@@ -317,6 +360,13 @@ class _Loop:
         _, wait_status = os.waitpid(pid, 0)  # readable pidfd: it has exited
         self._send_status(pid, status, wait_status)
 
+    def _reap_strays(self) -> None:
+        ranks = {pid for pid, _ in self._children.values()}  # reaped by _reap, status sent
+        for pid in descendants.children(os.getpid()):
+            if pid not in ranks:
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, os.WNOHANG)
+
     def _send_status(self, pid: int, status: socket.socket, wait_status: int) -> None:
         with contextlib.suppress(OSError):  # the supervisor has stopped listening
             status.sendall(STATUS.pack(b"X", os.waitstatus_to_exitcode(wait_status)))
@@ -332,6 +382,10 @@ class _Loop:
             os.close(pidfd)
             sibling.close()
         self._children.clear()
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        os.close(self._wakeup)
+        os.close(self._wakeup_w)
         _die_with_parent()
         for fd in fds:
             os.set_inheritable(fd, False)  # as a spawn child has them: no leak into exec
@@ -347,6 +401,17 @@ class _Loop:
         fn, index, args, channel, name = pickle.loads(call_pickle)
         _after_fork(name)
         return _Rank(fn, index, args, channel, setup)
+
+
+def _reap_all() -> None:
+    # Our children that have exited: not left as zombies for init to find.
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+
+
+def _ignore_signal(signum: int, frame: object) -> None:
+    pass
 
 
 def _die_with_parent() -> None:
