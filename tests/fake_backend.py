@@ -5,7 +5,10 @@ The group's supervision talks to ranks only through the backend seam
 :class:`FakeRank` handles whose life the test decides: when a start fails,
 when a rank beats, how and when it exits, whether it obeys SIGTERM. Exits are
 noticed as a real rank's are: by the rank's watcher or a ``poll()``, not when
-the test declares them. Time is a :class:`FakeClock` the test moves.
+the test declares them. Time is a :class:`FakeClock` the test moves. With
+``FakeBackend(links=True)`` each attempt has a :class:`MemoryLink`, a channel
+in memory whose rank's end the test plays, so that messages, readiness and
+calls run through the group's real channel code.
 
     backend = FakeBackend()
     clock = FakeClock()
@@ -17,6 +20,7 @@ the test declares them. Time is a :class:`FakeClock` the test moves.
 
 from __future__ import annotations
 
+import collections
 import pickle
 import signal
 from collections.abc import Callable, Sequence
@@ -33,7 +37,9 @@ from aiospawn._core._context import AsyncProcessContext
 from aiospawn._core._outcome import RankExit
 from aiospawn._core._policy import RestartPolicy, Supervision
 from aiospawn._core._spec import DEFAULT_PREFIX, LaunchSpec, make_output_spec, make_spec
-from aiospawn._rank.wire import Kind, encode_exception
+from aiospawn._rank import channel as rank_channel
+from aiospawn._rank.wire import FROM_RANK, HEADER, FrameReader, Kind, encode_exception
+from aiospawn._rank.wire import Link as Frame
 
 
 class FakeClock:
@@ -48,6 +54,141 @@ class FakeClock:
     def advance(self, seconds: float) -> None:
         """Move the clock on by ``seconds``."""
         self.now += seconds
+
+
+class MemoryLink:
+    """One attempt's channel in memory (the seam's ``Link``); the test plays the rank's end.
+
+    What the rank sends is a byte stream, parsed by the real frame reader: the
+    test sends whole frames (:meth:`message`, :meth:`ready`, :meth:`reply`) or
+    any bytes (:meth:`send_bytes`). What the supervisor writes waits in
+    :attr:`unread` until the rank reads it (:meth:`read`); at most ``window`` bytes
+    wait there, as in a socket's buffer, so a rank that does not read holds
+    the supervisor's sends back.
+    """
+
+    def __init__(self, window: int = 64 * 1024) -> None:
+        self.window = window
+        self.unread: collections.deque[tuple[int, bytes]] = collections.deque()
+        self.changed = Broadcast()
+        self._incoming = bytearray()
+        self._reader = FrameReader(FROM_RANK)
+        self._out: collections.deque[tuple[int, bytes]] = collections.deque()
+        self._rank_closed = False
+        self._released = False
+
+    # The seam (Link), as the group's channel code calls it.
+
+    async def receive_frame(self) -> tuple[int, bytes | bytearray] | None:
+        """The next frame the rank sent, or None at its end; waits for one."""
+        while (frame := self.frame_now()) is False:
+            await self.changed.wait()
+        assert frame is not True
+        return frame
+
+    def frame_now(self) -> tuple[int, bytes | bytearray] | bool | None:
+        """The next frame if the rank has sent it whole; None at the end, else False."""
+        if self._released:
+            return None
+        while self._incoming:
+            size = min(self._reader.wanted, len(self._incoming))
+            chunk = bytes(self._incoming[:size])
+            del self._incoming[:size]
+            self._reader.feed(chunk)
+            frame = self._reader.frame()
+            if frame is not None:
+                self._reader = FrameReader(FROM_RANK)
+                return frame
+        return None if self._rank_closed else False
+
+    def queue_frame(self, kind: int, payload: bytes) -> None:
+        """Queue a frame for the rank."""
+        self._out.append((kind, bytes(payload)))
+
+    @property
+    def queued(self) -> int:
+        """Bytes queued and not yet written."""
+        return sum(HEADER.size + len(payload) for _, payload in self._out)
+
+    def write_some(self) -> bool:
+        """Move whole frames to the rank while its window has room; True once all went."""
+        if self._released or self._rank_closed:
+            raise BrokenPipeError("the rank's end is closed")
+        while self._out and self._waiting() < self.window:
+            self.unread.append(self._out.popleft())
+            self.changed.notify()
+        return not self._out
+
+    async def wait_writable(self) -> None:
+        """Wait until the rank's window has room (or either end is gone)."""
+        while self._waiting() >= self.window and not (self._released or self._rank_closed):
+            await self.changed.wait()
+
+    def close(self) -> None:
+        """Release our end."""
+        self._released = True
+        self._out.clear()
+        self.changed.notify()
+
+    # The rank's end, as the test plays it.
+
+    @property
+    def released(self) -> bool:
+        """The supervisor released its end."""
+        return self._released
+
+    @property
+    def unsent(self) -> int:
+        """Bytes the rank sent that the supervisor has not read yet."""
+        return len(self._incoming)
+
+    def send_bytes(self, data: bytes) -> None:
+        """The rank writes ``data`` on its end."""
+        self._incoming += data
+        self.changed.notify()
+
+    def send(self, kind: int, payload: bytes = b"") -> None:
+        """The rank sends one frame."""
+        self.send_bytes(HEADER.pack(kind, len(payload)) + payload)
+
+    def message(self, item: Any) -> None:
+        """The rank's ``channel().send(item)``."""
+        self.send(Frame.MESSAGE, pickle.dumps(item))
+
+    def ready(self, payload: Any = None) -> None:
+        """The rank's ``aiospawn.ready(payload)``."""
+        self.send(Frame.READY, pickle.dumps(payload))
+
+    def calls(self) -> list[tuple[int, str, tuple[Any, ...], dict[str, Any]]]:
+        """The calls sent that the rank has not read: ``(id, method, args, kwargs)``."""
+        found = []
+        for kind, payload in self.read():
+            assert kind == Frame.CALL, f"a frame of kind {kind} where calls were expected"
+            call_id, request = rank_channel._split(payload)
+            found.append((call_id, *rank_channel._request(request)))
+        return found
+
+    def reply(self, call_id: int, value: Any = None, *, error: BaseException | None = None) -> None:
+        """The rank's handler answers call ``call_id`` with ``value``, or raised ``error``."""
+        if error is None:
+            self.send(Frame.REPLY, rank_channel._reply(call_id, True, value))
+        else:
+            self.send(Frame.REPLY, rank_channel._reply(call_id, False, error))
+
+    def read(self) -> list[tuple[int, bytes]]:
+        """Everything the supervisor wrote that the rank has not read: ``(kind, payload)``."""
+        frames = list(self.unread)
+        self.unread.clear()
+        self.changed.notify()
+        return frames
+
+    def end(self) -> None:
+        """The rank closes its end: the supervisor reads what was sent, then the end."""
+        self._rank_closed = True
+        self.changed.notify()
+
+    def _waiting(self) -> int:
+        return sum(HEADER.size + len(payload) for _, payload in self.unread)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -65,7 +206,7 @@ class FakeRank:
         self._backend = backend
         self.rank = index
         self.restart = restart
-        self.link = None  # no channel
+        self.link = MemoryLink() if backend.links else None
         self._on_exit = on_exit
         self.started = False
         self.pid: int | None = None
@@ -215,9 +356,11 @@ class FakeBackend:
         changed: Notified whenever a rank starts or exits.
         runs_for: If set, a started rank returns ``None`` by itself after this
             many seconds of real time, unless it ended before.
+        links: Each attempt has a :class:`MemoryLink` (a channel), or none.
     """
 
-    def __init__(self, clock: FakeClock | None = None) -> None:
+    def __init__(self, clock: FakeClock | None = None, *, links: bool = False) -> None:
+        self.links = links
         self.clock = clock or FakeClock()
         self.made: list[FakeRank] = []
         self.fail_start: dict[tuple[int, int], BaseException] = {}
