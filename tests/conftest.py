@@ -161,6 +161,19 @@ def events() -> Iterator[Events]:
 
 
 @pytest.fixture
+def release() -> Iterator[Events]:
+    """A pipe that releases ranks: they wait on the first end, the test sends on the second.
+
+    Not a ``multiprocessing.Event``: its ``set()`` blocks for good once a rank
+    killed in its ``wait()`` leaves it counting a sleeper that never wakes.
+    """
+    waiter, sender = multiprocessing.Pipe(duplex=False)
+    yield waiter, sender
+    waiter.close()
+    sender.close()
+
+
+@pytest.fixture
 def no_process_start(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make any ``Process.start()`` fail the test: the call must refuse before it."""
 

@@ -155,9 +155,12 @@ def api_fail_or_follow(rank: int, failing: int, failed: Any) -> int:
 class ApiHeldArg:
     """An argument that, unpickled in a rank, sends ``("unpickling", pid)`` and waits.
 
-    It waits for ``release``. Put before more than a pipe buffer (64 KiB) of
-    other arguments, it keeps the parent's ``Process.start()`` blocked, so the
-    start stays in flight until the test sets ``release``. It arrives in the rank as ``None``.
+    It waits until ``release`` (the ``release`` fixture's first end) is
+    readable: these ranks may be stopped while they wait, and a
+    ``multiprocessing.Event`` would then block its ``set()`` for good. Put
+    before more than a pipe buffer (64 KiB) of other arguments, it keeps the
+    parent's ``Process.start()`` blocked, so the start stays in flight until
+    the test releases it. It arrives in the rank as ``None``.
     """
 
     def __init__(self, events: Any, release: Any) -> None:
@@ -170,7 +173,7 @@ class ApiHeldArg:
 
 def _api_hold_start(events: Any, release: Any) -> None:
     events.send(("unpickling", os.getpid()))
-    release.wait()
+    release.poll(None)  # readable once the test sends; nothing is consumed
 
 
 def api_return_rank(rank: int, *ignored: Any) -> int:

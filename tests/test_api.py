@@ -385,17 +385,16 @@ async def test_a_second_cancellation_does_not_abandon_the_ranks(
 @pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
 @pytest.mark.both_loops
 async def test_cancelling_while_the_ranks_start_leaves_no_process_behind(
-    start_method: str, events: Events
+    start_method: str, events: Events, release: Events
 ) -> None:
     reader, writer = events
-    release = multiprocessing.get_context(start_method).Event()
     scope = anyio.CancelScope()
 
     async def run() -> None:
         with scope:
             await aiospawn.start_processes(
                 ranks.api_sleep_with,
-                (ranks.ApiHeldArg(writer, release), BIG),
+                (ranks.ApiHeldArg(writer, release[0]), BIG),
                 nprocs=2,
                 start_method=start_method,
                 grace_period=1,
@@ -407,7 +406,7 @@ async def test_cancelling_while_the_ranks_start_leaves_no_process_behind(
         pids = [(await receive(reader, "unpickling message"))[1] for _ in range(2)]
         scope.cancel()
         await anyio.wait_all_tasks_blocked()
-        release.set()  # the ranks' imports finish; the starts complete
+        release[1].send(None)  # the ranks' imports finish; the starts complete
     assert scope.cancelled_caught
     assert all(is_reaped(pid) for pid in pids)
 
@@ -418,10 +417,9 @@ async def test_cancelling_while_the_ranks_start_leaves_no_process_behind(
 @pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
 @pytest.mark.both_loops
 async def test_the_loop_keeps_running_while_the_ranks_start(
-    start_method: str, events: Events
+    start_method: str, events: Events, release: Events
 ) -> None:
     reader, writer = events
-    release = multiprocessing.get_context(start_method).Event()
     ticked = anyio.Event()
     results: list[int] = []
 
@@ -434,7 +432,7 @@ async def test_the_loop_keeps_running_while_the_ranks_start(
         results.extend(
             await aiospawn.start_processes(
                 ranks.api_return_rank,
-                (ranks.ApiHeldArg(writer, release), BIG),
+                (ranks.ApiHeldArg(writer, release[0]), BIG),
                 nprocs=2,
                 start_method=start_method,
             )
@@ -448,5 +446,5 @@ async def test_the_loop_keeps_running_while_the_ranks_start(
         with anyio.fail_after(30):  # a loop blocked by the starts would never tick
             await ticked.wait()
         assert results == []
-        release.set()
+        release[1].send(None)
     assert results == [0, 1]

@@ -37,7 +37,8 @@ from tests.ray_cluster import LocalCluster
 
 __all__ = ["basetemp_first", "launchers"]  # fixtures
 
-pytestmark = pytest.mark.ray
+# One worker runs the module, which starts one Ray cluster for all its tests.
+pytestmark = [pytest.mark.ray, pytest.mark.xdist_group("ray-cli")]
 
 #: A line a rank printed, as Ray shows it on the driver.
 RAY_LINE = re.compile(r"^\(rank(\d+) pid=\d+[^)]*\) (.*)$")

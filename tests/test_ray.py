@@ -45,7 +45,8 @@ from aiospawn._core._env import free_port  # noqa: E402
 from aiospawn.ray import RayBackend  # noqa: E402  (after the skip: needs ray)
 from tests.ray_cluster import LocalCluster  # noqa: E402
 
-pytestmark = [pytest.mark.ray, pytest.mark.anyio]
+# One worker runs the module, which starts one Ray cluster for all its tests.
+pytestmark = [pytest.mark.ray, pytest.mark.anyio, pytest.mark.xdist_group("ray")]
 
 TORCHRUN = (
     "RANK",

@@ -272,12 +272,17 @@ def test_an_interruption_at_any_point_of_a_start_and_join_leaves_nothing() -> No
 def test_an_interruption_at_any_point_of_a_real_start_and_join_leaves_nothing(
     start_method: str,
 ) -> None:
-    sweep(lambda: RealGroup(start_method))
+    # The first event at each place of aiospawn.sync's own code that a real
+    # start and join pass through (about 180, against about 650 events).
+    real = places(lambda: RealGroup(start_method))
+    for where in real:
+        if where in in_sync(real):
+            assert run_interrupted(InterruptAt(at=where), RealGroup(start_method)).hit == where
     # What the fake sweep stands for: a real group's start and join pass
     # through no place of aiospawn.sync that a fake group's do not.
     with fake_groups() as new_group:
         fake = in_sync(places(new_group))
-    assert in_sync(places(lambda: RealGroup(start_method))) - fake == set()
+    assert in_sync(real) - fake == set()
 
 
 def test_a_ctrl_c_taken_by_another_thread_still_stops_the_group() -> None:
