@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import fcntl
 import gc
+import importlib.util
 import multiprocessing
 import multiprocessing.forkserver
 import multiprocessing.util
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -44,6 +46,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default="asyncio",
         help="the event loops every test runs on (both_loops tests run on both anyway)",
     )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        # An xdist worker's __main__ is execnet's `python -c` bootstrap, which a
+        # spawn rank cannot import again: aiospawn would treat every group as
+        # a notebook's and send fn and args by value. Make it what `python -m
+        # pytest` has, a main module imported by name, which ranks skip.
+        main = sys.modules["__main__"]
+        if getattr(main, "__spec__", None) is None:
+            main.__spec__ = importlib.util.find_spec("pytest.__main__")
 
 
 @pytest.fixture
