@@ -56,6 +56,11 @@ class RankExit:
             through the supervisor (``prefix``, ``capture`` or ``tee``).
         note: What the backend knows of the exit beyond its code (such as the
             machine the rank ran on), added to the exception as a note.
+        ended_at: When the rank ended, as ``time.time()``: by the rank's own
+            clock when ``fn`` returned or raised, if the rank said so with
+            its outcome; otherwise (killed by a signal, ``os._exit``) when
+            the supervisor saw the exit. None if unknown. The group's root
+            cause is the failure that ended first (see ``_group``).
     """
 
     rank: int
@@ -65,6 +70,7 @@ class RankExit:
     stopped_by_us: bool
     stderr_tail: tuple[str, ...] = ()
     note: str | None = None
+    ended_at: float | None = None
 
     @property
     def succeeded(self) -> bool:
@@ -206,6 +212,18 @@ class Hang:
             stack=self.stack,
         )
         return ProcessHungException(message, self.rank, self.pid, self.seconds, self.stack)
+
+
+def ended_before(failure: RankExit | Hang, other: RankExit | Hang) -> bool:
+    """True if both are exits whose ends are dated and ``failure`` ended first.
+
+    A hang is dated by no rank: it is the root cause from when it is found.
+    """
+    if not isinstance(failure, RankExit) or not isinstance(other, RankExit):
+        return False
+    if failure.ended_at is None or other.ended_at is None:
+        return False
+    return failure.ended_at < other.ended_at
 
 
 def _loads_raised(payload: bytes | bytearray) -> tuple[bytes | None, str, str]:
