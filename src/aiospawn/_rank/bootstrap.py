@@ -575,7 +575,8 @@ def _exit_steps() -> None:
     function, which a rank's ``multiprocessing`` child runs at its end (its
     finalizers: a Queue's feeder thread flushes what was put; its children
     are joined), then the streams are flushed: ``sys.stdout`` and
-    ``sys.stderr``, and the C library's, when ``ctypes`` is loaded. A step
+    ``sys.stderr`` (and the originals, ``sys.__stdout__`` and
+    ``sys.__stderr__``), and the C library's, when ``ctypes`` is loaded. A step
     that raises is printed, as Python prints it, and the next one runs.
     """
     import atexit
@@ -595,7 +596,9 @@ def _exit_steps() -> None:
                 import traceback
 
                 traceback.print_exc()
-    for stream in (sys.stdout, sys.stderr):
+    # The original streams too: code that replaced sys.stdout (a fork rank of
+    # a program that captures its output) leaves them in use, unflushed.
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
         with contextlib.suppress(BaseException):
             if stream is not None:
                 stream.flush()
