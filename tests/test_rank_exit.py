@@ -14,7 +14,9 @@ failed one. The torch job itself is in ``test_rank_exit_torch``.
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
+import os
 from typing import Any
 
 import anyio
@@ -97,14 +99,42 @@ async def test_finished_rank_reads_as_finished_whatever_its_finalization_would_d
 async def test_failed_rank_reads_as_raised_whatever_its_finalization_would_do(
     start_method: str,
 ) -> None:
+    ctx = await aiospawn.start_processes(
+        exit_ranks.raise_then_crash, nprocs=1, join=False, start_method=start_method
+    )
     with (
         tripwire(60, "a rank that raises"),
         pytest.raises(aiospawn.ProcessRaisedException) as caught,
     ):
-        await aiospawn.start_processes(
-            exit_ranks.raise_then_crash, nprocs=1, start_method=start_method
-        )
+        await ctx.join()
     assert isinstance(caught.value.__cause__, ValueError)
+    exited = ctx.statistics().ranks[0].last_exit
+    assert exited is not None
+    assert (exited.exit_code, exited.signal_name) == (1, None)  # not SIGABRT
+
+
+@pytest.mark.anyio
+async def test_fork_rank_runs_none_of_the_supervisors_atexit_handlers() -> None:
+    # A fork rank inherits the supervisor's handlers; they are the
+    # supervisor's to run at its own end, never the rank's.
+    def supervisors() -> None:
+        os.write(1, b"the supervisor's atexit handler ran\n")
+
+    atexit.register(supervisors)
+    try:
+        ctx = await aiospawn.start_processes(
+            exit_ranks.finish_then_crash,
+            nprocs=1,
+            join=False,
+            start_method="fork",
+            stdout="capture",
+        )
+        with tripwire(60, "a rank that returns"):
+            assert await ctx.join()
+            lines = [item.line async for item in ctx.output()]
+    finally:
+        atexit.unregister(supervisors)
+    assert lines == ["atexit of rank 0"]
 
 
 def test_sync_spawn_of_ranks_whose_finalization_would_crash() -> None:
