@@ -557,8 +557,8 @@ def _end(status: int) -> NoReturn:
     ``forkserver`` its caller is a copy of the supervisor or of the fork
     server, and under ``spawn`` a return ends in the interpreter's
     finalization, where C++ static destructors of extension libraries may
-    abort a rank whose ``fn`` has finished (torch's gloo did, in a third of
-    the runs of a two-rank DDP job).
+    abort a rank whose ``fn`` has finished (reported of two-rank gloo DDP
+    jobs with torch 2.13).
     """
     try:
         _exit_steps()
