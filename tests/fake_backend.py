@@ -215,7 +215,7 @@ class FakeRank:
         self.signals: list[int] = []
         self.beat: float | None = None
         self.stack_text: str | None = f"stack of rank {index}"
-        self._ending: tuple[int, tuple[int, bytes] | None] | None = None
+        self._ending: tuple[int, tuple[int, bytes] | None, float | None] | None = None
         self._ended = anyio.Event()
         self._stopped_by_us = False
 
@@ -230,13 +230,14 @@ class FakeRank:
         """Record the exit the test declared, as a watcher reaping the rank would."""
         if self.exit is None and self._ending is not None:
             assert self.pid is not None
-            exit_code, frame = self._ending
+            exit_code, frame, ended_at = self._ending
             self.exit = RankExit(
                 rank=self.rank,
                 pid=self.pid,
                 exit_code=exit_code,
                 frame=frame,
                 stopped_by_us=self._stopped_by_us,
+                ended_at=ended_at,
             )
             self._on_exit(self.exit)
             self._backend.changed.notify()
@@ -287,19 +288,21 @@ class FakeRank:
         """``fn`` returns ``value`` and the process exits 0."""
         self._end(0, (Kind.RETURNED, pickle.dumps(value)))
 
-    def raises(self, exc: BaseException) -> None:
-        """``fn`` raises ``exc`` and the process exits 1."""
+    def raises(self, exc: BaseException, at: float | None = None) -> None:
+        """``fn`` raises ``exc`` (at ``time.time()`` ``at``, if given) and the process exits 1."""
         text = f"Traceback (most recent call last):\n  fake\n{type(exc).__name__}: {exc}\n"
-        self._end(1, (Kind.RAISED, encode_exception(exc, text)))
+        self._end(1, (Kind.RAISED, encode_exception(exc, text)), at)
 
     def exits(self, exit_code: int) -> None:
         """The process ends with ``exit_code`` (negative: killed by that signal), no frame."""
         self._end(exit_code, None)
 
-    def _end(self, exit_code: int, frame: tuple[int, bytes] | None) -> None:
+    def _end(
+        self, exit_code: int, frame: tuple[int, bytes] | None, at: float | None = None
+    ) -> None:
         assert self.started, f"rank {self.rank} attempt {self.restart} has not started"
         if self._ending is None:
-            self._ending = (exit_code, frame)
+            self._ending = (exit_code, frame, at)
             self._ended.set()
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -170,6 +171,22 @@ def open_fds() -> set[str]:
 def live_children() -> set[int]:
     """Pids of this process's descendants, zombies included."""
     return {child.pid for child in psutil.Process().children(recursive=True)}
+
+
+def wait_exited(pids: Sequence[int], seconds: float = 60.0) -> None:
+    """Block until every pid has exited, without reaping any (a zombie has exited).
+
+    A pidfd becomes readable when its process exits, reaped or not: the
+    supervisor then finds every exit at its next poll.
+    """
+    for pid in pids:
+        fd = os.pidfd_open(pid)
+        try:
+            ready, _, _ = select.select([fd], [], [], seconds)
+        finally:
+            os.close(fd)
+        if not ready:
+            pytest.fail(f"deadlock: pid {pid} did not exit within {seconds} s")
 
 
 def wait_until(predicate: object, seconds: float = 5.0) -> bool:

@@ -87,6 +87,23 @@ async def test_the_first_failure_stops_the_others_and_every_join_raises_it_again
         assert again.value is not first.value
 
 
+@pytest.mark.parametrize(("first", "blamed"), [(1, 1), (0, 0)])
+async def test_of_failures_found_at_once_the_one_that_ended_first_is_the_root_cause(
+    first: int, blamed: int
+) -> None:
+    # Both exits are there when join() polls, as for a supervisor that polls
+    # (torch's elastic agent): the time each rank ended decides, not its index.
+    backend = FakeBackend()
+    ctx = await start_group(backend, nprocs=3)
+    backend.attempt(first).raises(ValueError("first"), at=100.0)
+    backend.attempt(1 - first).raises(RuntimeError("because of it"), at=100.5)
+    with pytest.raises(aiospawn.ProcessRaisedException) as caught:
+        await ctx.join()
+    assert caught.value.error_index == blamed
+    assert isinstance(caught.value.__cause__, ValueError)
+    assert f"failed=rank {blamed}" in repr(ctx)
+
+
 async def test_after_terminate_join_reports_the_lowest_rank_stopped() -> None:
     backend = FakeBackend()
     ctx = await start_group(backend, nprocs=3, grace_period=0)

@@ -27,9 +27,11 @@ group's launcher; a restart puts a new one in the slot). Every exit is seen by
 exactly one watcher (``RankHandle.wait``) and reported through
 :meth:`Group._on_exit`. What follows a failure is the restart tracker's
 decision (``_restarts``); which ranks are hung, the hang watch's (``_hangs``);
-the exception and the results are built by ``_outcome``. The first failure
-that the restart policy does not absorb, not caused by us, is the root cause;
-every ``join()`` raises an exception equal to the one built from it.
+the exception and the results are built by ``_outcome``. Of the failures
+that the restart policy does not absorb, not caused by us, the one that
+ended first is the root cause (by when it ended, not when the group learnt of
+it: one poll may find several exits); every ``join()`` raises an exception
+equal to the one built from it.
 
 Supervision runs in whichever task waits on the group (``join()`` or an
 ``async with`` block), one at a time (``SingleWatcher``); the others wait for
@@ -80,6 +82,7 @@ from ._outcome import (
     Hang,
     RankExit,
     decode_results,
+    ended_before,
     group_error,
     rebuild_raised,
 )
@@ -489,6 +492,10 @@ class Group(Generic[T]):
     def _failed(self, failure: Failure) -> None:
         """Restart as the policy allows, or make ``failure`` the group's root cause."""
         if self._root is not None:
+            if self._restart_error is None and ended_before(failure, self._root):
+                # Learnt of after the root cause, but it ended first: one poll
+                # found both exits, or the first rank took longer to exit.
+                self._root = failure
             return
         now = self._clock()
         running = {rank.rank for rank in self._ranks if rank.started and rank.exit is None}

@@ -61,6 +61,11 @@ class RankExit:
         cause: What ended the rank, when the backend knows it and the code
             alone would mislead (a warm rank whose template died is reported as
             SIGKILL): said in the message in place of a guess.
+        ended_at: When the rank ended, as ``time.time()``: by the rank's own
+            clock when ``fn`` returned or raised, if the rank said so with
+            its outcome; otherwise (killed by a signal, ``os._exit``) when
+            the supervisor saw the exit. None if unknown. The group's root
+            cause is the failure that ended first (see ``_group``).
     """
 
     rank: int
@@ -71,6 +76,7 @@ class RankExit:
     stderr_tail: tuple[str, ...] = ()
     note: str | None = None
     cause: str | None = None
+    ended_at: float | None = None
 
     @property
     def succeeded(self) -> bool:
@@ -243,6 +249,19 @@ class BrokenChannel:
 
 #: A failure that can end a group: an exit, or one the supervisor found in a running rank.
 Failure = RankExit | Hang | BrokenChannel
+
+
+def ended_before(failure: Failure, other: Failure) -> bool:
+    """True if both are exits whose ends are dated and ``failure`` ended first.
+
+    A hang or a broken channel is dated by no rank: it is the root cause from
+    when it is found.
+    """
+    if not isinstance(failure, RankExit) or not isinstance(other, RankExit):
+        return False
+    if failure.ended_at is None or other.ended_at is None:
+        return False
+    return failure.ended_at < other.ended_at
 
 
 def _loads_raised(payload: bytes | bytearray) -> tuple[bytes | None, str, str]:

@@ -20,6 +20,7 @@ import contextlib
 import multiprocessing.process
 import os
 import signal
+import time
 from multiprocessing.process import BaseProcess
 
 import anyio
@@ -28,7 +29,7 @@ from aiospawn._core._backend import OnExit
 from aiospawn._core._concurrency import SingleWatcher
 from aiospawn._core._outcome import RankExit
 from aiospawn._rank import descendants
-from aiospawn._rank.wire import ChildEnd, FrameReader
+from aiospawn._rank.wire import ChildEnd, FrameReader, Kind, read_ended
 
 from . import _pipes
 from ._link import SocketLink
@@ -86,6 +87,7 @@ class LocalRank:
         self.link = link
         self._link_end = link_end
         self._frame = FrameReader()
+        self._ended_at: float | None = None  # when fn ended, if the rank said
         self._result_eof = False
         self._pidfd: int | None = None
         self._exit_fd = -1
@@ -314,6 +316,10 @@ class LocalRank:
             if not data:
                 self._result_eof = True
             self._frame.feed(data)
+            frame = self._frame.frame()
+            if frame is not None and frame[0] == Kind.ENDED:  # the outcome follows
+                self._ended_at = read_ended(frame[1])
+                self._frame = FrameReader()
 
     def _finish(self, exit_code: int) -> None:
         pid = self.process.pid
@@ -333,6 +339,9 @@ class LocalRank:
             stderr_tail=self._output.stderr_tail(),
             # A warm rank whose template died: said so, not blamed on the OOM killer.
             cause=getattr(self.process, "exit_cause", None),
+            # Without the rank's word (killed by a signal, os._exit), now:
+            # when this supervisor saw the exit.
+            ended_at=time.time() if self._ended_at is None else self._ended_at,
         )
         descendants.close_pinned(self._strays)
         self._strays = []

@@ -56,15 +56,18 @@ is an ``async def`` cancelled by       -SIGTERM          ProcessExitedException
 SIGTERM (its cleanup has run)                            (stopped by us)
 =====================================  ================  ==========================
 
-After ``fn``, the rank never returns into ``multiprocessing``: under ``fork``
-and ``forkserver`` what called the bootstrap is a copy of the supervisor (or
-of the fork server), whose code must not run again in the rank, so the
-bootstrap runs ``multiprocessing``'s own exit steps (its finalizers, which
-flush ``multiprocessing.Queue`` feeders; the wait for non-daemon threads),
-flushes stdio and ends the process with ``os._exit``. Under ``spawn`` the
-process is a fresh interpreter: it ends with ``SystemExit``, so that atexit
-handlers run and open files are flushed, as at the end of any Python program.
-Either way the status is one the kernel keeps as it is (0 to 255).
+After ``fn``, the rank never returns into ``multiprocessing``, under any
+start method. Under ``fork`` and ``forkserver`` what called the bootstrap is
+a copy of the supervisor (or of the fork server), whose code must not run
+again in the rank; under ``spawn`` a return ends in the interpreter's
+finalization, where extension libraries' C++ static destructors may abort a
+rank whose ``fn`` has finished. So every rank runs Python's exit steps
+itself (non-daemon threads joined, the atexit handlers registered in the
+rank, ``multiprocessing``'s finalizers, stdio flushed) and ends with
+``os._exit`` (see :func:`_exit_steps`): a rank that finished reads as
+finished. Not run: the interpreter's finalization (``__del__`` of what is
+still alive, module teardown) and C-level exit handlers. The status is one
+the kernel keeps as it is (0 to 255).
 
 What a rank holds of the supervisor's descriptors: under ``spawn`` and
 ``forkserver``, only what it is handed. A ``fork`` rank is a copy of the
@@ -110,6 +113,7 @@ from .wire import (
     encode_exception,
     encode_exit,
     encode_value,
+    ended_frame,
     from_fn,
     header,
 )
@@ -332,16 +336,21 @@ def run_rank(
         try:
             _prepare(setup, report)
         except BaseException as exc:
-            report.send(Kind.RAISED, encode_exception(exc))
+            report.send(Kind.RAISED, encode_exception(exc), time.time())
             raise
         text = None
         terminated = False
         try:
-            if isinstance(fn, Payload):  # sent by value: unpickled now, after env
-                fn, args = fn.load()
-            value = fn(rank, *args)
-            if isinstance(value, Coroutine):  # an async def fn: run it on its own loop
-                value = _run_async(value, setup.loop)
+            try:
+                if isinstance(fn, Payload):  # sent by value: unpickled now, after env
+                    fn, args = fn.load()
+                value = fn(rank, *args)
+                if isinstance(value, Coroutine):  # an async def fn: run it on its own loop
+                    value = _run_async(value, setup.loop)
+            finally:
+                # When fn ended, on the rank's clock: the supervisor orders
+                # failures by it, however late it learns of them.
+                ended_at = time.time()
         except _Terminated:
             terminated = True
         except SystemExit as exc:
@@ -361,11 +370,11 @@ def run_rank(
             _die_of_sigterm()
         # Only once the frame is out may the status become 0: a KeyboardInterrupt
         # while it is written must not leave a success without a result.
-        status = code if report.send(kind, payload) or code else LOST_CHANNEL_STATUS
+        status = code if report.send(kind, payload, ended_at) or code else LOST_CHANNEL_STATUS
         if text is not None:
             print(text, file=sys.stderr)
     finally:
-        _end(status, setup.start_method)
+        _end(status)
 
 
 class _Channel:
@@ -375,8 +384,8 @@ class _Channel:
         self.fd = _move_high(end.fd)
         self._identity = _identity(self.fd)
 
-    def send(self, kind: int, payload: bytes) -> bool:
-        """Write the frame; False if ``fn`` closed or replaced the pipe, so it cannot be sent."""
+    def send(self, kind: int, payload: bytes, ended_at: float) -> bool:
+        """Write the frame after when ``fn`` ended; False if ``fn`` closed or replaced the pipe."""
         if _identity(self.fd) != self._identity:
             # Closed (os.closerange), or the number now holds another file of
             # the rank's: writing there would corrupt that file.
@@ -386,7 +395,7 @@ class _Channel:
             )
             return False
         try:
-            _write_all(self.fd, header(kind, len(payload)))
+            _write_all(self.fd, ended_frame(ended_at) + header(kind, len(payload)))
             _write_all(self.fd, payload)
         except OSError:  # the supervisor is gone; the exit code still tells the story
             pass
@@ -394,6 +403,13 @@ class _Channel:
 
 
 def _prepare(setup: RankSetup, report: _Channel) -> None:
+    if setup.start_method != "spawn":
+        # A copy of the supervisor (or of the fork server, or a template):
+        # the atexit handlers it holds are that process's, never the rank's.
+        # The rank's end runs those registered from here on (see _exit_steps).
+        import atexit
+
+        atexit._clear()
     _become_group_leader()
     descendants.become_subreaper()
     wakeup_fd = _restore_default_signals()
@@ -534,37 +550,66 @@ def _die_of_sigterm() -> NoReturn:
         signal.pause()
 
 
-def _end(status: int, start_method: str) -> NoReturn:
-    if start_method == "spawn":
-        # A fresh interpreter: multiprocessing's exit steps, then the
-        # interpreter's own (atexit, flushing open files), as for any program.
-        raise SystemExit(status)
+def _end(status: int) -> NoReturn:
+    """End the rank with ``status`` once Python's exit steps have run (see :func:`_exit_steps`).
+
+    Never by returning into ``multiprocessing``: under ``fork`` and
+    ``forkserver`` its caller is a copy of the supervisor or of the fork
+    server, and under ``spawn`` a return ends in the interpreter's
+    finalization, where C++ static destructors of extension libraries may
+    abort a rank whose ``fn`` has finished (reported of two-rank gloo DDP
+    jobs with torch 2.13).
+    """
     try:
-        try:
-            _exit_steps()
-        finally:
-            for stream in (sys.stdout, sys.stderr):
-                with contextlib.suppress(BaseException):
-                    if stream is not None:
-                        stream.flush()
+        _exit_steps()
     finally:
         os._exit(status)
 
 
 def _exit_steps() -> None:
-    # What multiprocessing's Process._bootstrap does once its target returns:
-    # run its finalizers (a Queue's feeder thread flushes what fn put), then
-    # wait for non-daemon threads. A failure here is printed, as there.
+    """What a Python program runs at its end, short of the interpreter's finalization.
+
+    In the order Python runs them: the wait for non-daemon threads, then the
+    atexit handlers registered in the rank (the inherited ones were dropped
+    at its start, see :func:`_prepare`), then ``multiprocessing``'s exit
+    function, which a rank's ``multiprocessing`` child runs at its end (its
+    finalizers: a Queue's feeder thread flushes what was put; its children
+    are joined), then the streams are flushed: ``sys.stdout`` and
+    ``sys.stderr`` (and the originals, ``sys.__stdout__`` and
+    ``sys.__stderr__``), and the C library's, when ``ctypes`` is loaded. A step
+    that raises is printed, as Python prints it, and the next one runs.
+    """
+    import atexit
     import threading
     from multiprocessing import util
 
-    for step in (util._exit_function, threading._shutdown):  # type: ignore[attr-defined]
+    steps = (
+        threading._shutdown,  # type: ignore[attr-defined]
+        atexit._run_exitfuncs,  # prints what a handler raises, and goes on
+        util._exit_function,  # type: ignore[attr-defined]
+    )
+    for step in steps:
         try:
             step()
         except BaseException:
-            import traceback
+            with contextlib.suppress(BaseException):
+                import traceback
 
-            traceback.print_exc()
+                traceback.print_exc()
+    # The original streams too: code that replaced sys.stdout (a fork rank of
+    # a program that captures its output) leaves them in use, unflushed.
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        with contextlib.suppress(BaseException):
+            if stream is not None:
+                stream.flush()
+    ctypes = sys.modules.get("ctypes")
+    if ctypes is not None:
+        # What a C extension printed with stdio and left in its buffer (a
+        # pipe or a file is fully buffered): exit(3) would flush it, _exit(2)
+        # does not. Only when ctypes is loaded already: importing it would
+        # cost every rank's end a few milliseconds.
+        with contextlib.suppress(BaseException):
+            ctypes.CDLL(None).fflush(None)
 
 
 def _move_high(fd: int) -> int:

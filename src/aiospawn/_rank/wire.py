@@ -1,7 +1,7 @@
 """What a rank and its supervisor agree on: the outcome frame and a few constants.
 
 How ``fn`` ended travels as one frame, which a rank writes on its private pipe
-just before it exits::
+just before it exits (after an ENDED frame that says when ``fn`` ended)::
 
     +----------+------------------+---------------------+
     | kind: 1B | size: 8B, big-end | payload: size bytes |
@@ -37,6 +37,10 @@ HEADER = struct.Struct("!BQ")
 #: What CALL and REPLY payloads start with: the call's id, which pairs them.
 CALL_ID = struct.Struct("!Q")
 
+#: The payload of an ENDED frame: ``time.time()`` on the rank's clock when ``fn``
+#: returned or raised. Wall-clock time, as for an exit the supervisor dates itself.
+ENDED_AT = struct.Struct("!d")
+
 #: The variable that holds a rank's restart count (see :func:`restart_count`).
 RESTART_COUNT_VAR = "AIOSPAWN_RESTART_COUNT"
 
@@ -65,6 +69,8 @@ class Kind:
     RAISED: Final = 2
     #: ``pickle((exit_code, text_or_None))``: ``fn`` called ``sys.exit(n)``.
     EXITED: Final = 3
+    #: :data:`ENDED_AT`: when ``fn`` ended; a local rank sends it just before its outcome.
+    ENDED: Final = 4
 
 
 class Link:
@@ -223,6 +229,19 @@ def _rebuild_child_end(duplicate: Any) -> ChildEnd:
 def header(kind: int, size: int) -> bytes:
     """Return the header that precedes a payload of ``size`` bytes."""
     return HEADER.pack(kind, size)
+
+
+def ended_frame(ended_at: float) -> bytes:
+    """The whole ENDED frame that says ``fn`` ended at ``ended_at`` (``time.time()``)."""
+    return HEADER.pack(Kind.ENDED, ENDED_AT.size) + ENDED_AT.pack(ended_at)
+
+
+def read_ended(payload: bytes | bytearray) -> float | None:
+    """The time an ENDED frame's payload holds, or None if it holds none."""
+    if len(payload) != ENDED_AT.size:
+        return None
+    (ended_at,) = ENDED_AT.unpack(payload)
+    return float(ended_at)
 
 
 class FrameReader:

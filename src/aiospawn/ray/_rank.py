@@ -15,6 +15,7 @@ import contextlib
 import pickle
 import re
 import signal
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -202,6 +203,9 @@ class RayRank:
             frame=frame,
             stopped_by_us=self._stopped_by_us,
             note=note,
+            # When the supervisor learnt of the end: a Ray rank does not
+            # send its own time, whose clock may be another machine's.
+            ended_at=time.time(),
         )
         # The rank is over; its worker process and resources go back to Ray,
         # as a local rank's process exits. (Submits the kill; does not wait.)
