@@ -198,8 +198,13 @@ def no_process_start(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(autouse=True)
 def no_leaks() -> Iterator[None]:
-    """Fail the test if it leaves a child, a pipe or pidfd, or a temp file behind."""
+    """Fail the test if it leaves a child, a pipe or pidfd, or a temp file behind.
+
+    Or if it changed ``sys.path`` or the current directory: the next tests in
+    this process, and their spawn ranks, would import from elsewhere.
+    """
     gc.collect()
+    path, cwd = list(sys.path), os.getcwd()
     children = live_children()
     fds = open_fds()
     temp = set(os.listdir(tempfile.gettempdir()))
@@ -211,3 +216,4 @@ def no_leaks() -> Iterator[None]:
     assert wait_until(lambda: open_fds() <= fds), f"fds left open: {sorted(open_fds() - fds)}"
     left = set(os.listdir(tempfile.gettempdir())) - temp
     assert not left, f"temp files left behind: {sorted(left)}"
+    assert (sys.path, os.getcwd()) == (path, cwd), "sys.path or the current directory changed"

@@ -11,6 +11,7 @@ import json
 import re
 import shutil
 import signal
+import sys
 import tempfile
 from pathlib import Path
 
@@ -487,10 +488,16 @@ def test_no_error_file_after_success(tmp_path: Path) -> None:
     ids=lambda value: " ".join(value) if isinstance(value, list) else None,
 )
 def test_refusals_say_why_before_starting(
-    args: list[str], words: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    args: list[str],
+    words: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # In this process: the command's parse and plan steps refuse before any
     # start (the launcher as a process is tested above and in test_cli.py).
+    # A plan puts the target's directory first on sys.path, as the rank will.
+    monkeypatch.setattr(sys, "path", list(sys.path))
     marker = tmp_path / "ran"
     assert cli.main(["run", "-n", "2", *args, program("touch.py"), str(marker)]) == 2
     out, err = capsys.readouterr()
