@@ -186,7 +186,6 @@ START_METHODS = ["spawn", "fork", "forkserver"]
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("start_method", START_METHODS)
-@pytest.mark.alone  # it bounds a duration
 def test_ranks_and_grandchildren_die_with_a_sigkilled_supervisor(
     start_method: str, variant: str
 ) -> None:
@@ -196,7 +195,6 @@ def test_ranks_and_grandchildren_die_with_a_sigkilled_supervisor(
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("start_method", START_METHODS)
-@pytest.mark.alone  # it bounds a duration
 def test_ranks_and_grandchildren_die_with_a_sigkilled_supervisor_many_times(
     start_method: str, variant: str
 ) -> None:
