@@ -59,6 +59,20 @@ def pytest_configure(config: pytest.Config) -> None:
             main.__spec__ = importlib.util.find_spec("pytest.__main__")
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run ``alone`` tests first, then ``slow`` ones, then the rest, each in file order.
+
+    An ``alone`` test waits for every test running elsewhere to end, and
+    they for it: at the start, when the other workers run ``alone`` tests
+    too, that costs least. Long tests started early do not end a run alone.
+    """
+    items.sort(
+        key=lambda item: (
+            0 if item.get_closest_marker("alone") else 1 if item.get_closest_marker("slow") else 2
+        )
+    )
+
+
 @pytest.fixture
 def anyio_backend() -> str:
     """The loop a test runs on: replaced by the parameters below (anyio's has its own)."""
