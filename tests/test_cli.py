@@ -183,6 +183,7 @@ def test_a_preload_sees_the_thread_counts_the_ranks_get() -> None:
     assert note.startswith("aiospawn: OMP_NUM_THREADS is unset")
 
 
+@pytest.mark.torch
 @pytest.mark.skipif(
     importlib.util.find_spec("torch") is None,
     reason="torch is not installed (pip install torch==2.13.0); the same setting is proven"

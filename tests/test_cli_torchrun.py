@@ -518,6 +518,7 @@ def test_nproc_per_node_gpu_without_gpus_is_refused() -> None:
 # ------------------------------------------------- a torchrun command line, as it is
 
 
+@pytest.mark.torch
 def test_a_tutorial_torchrun_command_line_runs_with_only_the_program_name_changed(
     tmp_path: Path,
 ) -> None:

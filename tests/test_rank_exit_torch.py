@@ -11,6 +11,7 @@ drop-in ``aiospawn.sync.spawn`` and ``aiospawn run -n 2``.
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import anyio
@@ -23,14 +24,16 @@ from tests.cli_helpers import environ, program, run
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.torch,
     pytest.mark.skipif(
         importlib.util.find_spec("torch") is None,
         reason="the DDP job needs torch (pip install torch==2.13.0)",
     ),
 ]
 
-#: Runs of the job per way in.
-RUNS = 10
+#: Runs of the job per way in (``AIOSPAWN_STRESS`` scales it): four, twelve
+#: jobs in all, each two ranks that import torch (about 5 s of CPU a job).
+RUNS = max(1, int(4 * float(os.environ.get("AIOSPAWN_STRESS", "1"))))
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -69,6 +69,7 @@ def test_a_name_of_neither_is_an_attribute_error() -> None:
     assert not hasattr(mp, "reduction")  # multiprocessing's submodule, not in its __all__
 
 
+@pytest.mark.torch
 @needs_torch
 def test_every_public_name_of_torch_multiprocessing() -> None:
     report = probe()
