@@ -80,12 +80,18 @@ class _Sink:
         self.parts: list[bytes] = []
         self.size = 0
 
-    def write(self, data: bytes) -> int:
-        self.size += len(data)
-        if self.size >= THREAD_BYTES:
-            raise _TooLarge
-        self.parts.append(bytes(data))
-        return len(data)
+    def write(self, data: bytes | bytearray | pickle.PickleBuffer) -> int:
+        # Protocol 5 hands write() an out-of-band-capable buffer of 64 KiB or
+        # more as it is: a pickle.PickleBuffer (a numpy array's), which has no
+        # len(). Its pickle holds the buffer's bytes in memory order ("A": a
+        # Fortran-ordered buffer stays so), as the unpickler reads them back.
+        with memoryview(data) as view:
+            size = view.nbytes
+            self.size += size
+            if self.size >= THREAD_BYTES:
+                raise _TooLarge
+            self.parts.append(view.tobytes("A"))
+        return size
 
 
 async def encode(obj: Any) -> bytes:
