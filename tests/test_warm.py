@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import multiprocessing
 import os
 import re
 import signal
@@ -543,6 +544,31 @@ async def test_a_rank_is_reported_when_its_template_died_though_a_sibling_holds_
     assert (info.value.error_index, info.value.signal_name) == (0, "SIGKILL")
     assert f"its warm-start template (pid {killed}) died while it ran" in info.value.msg
     assert wait_until(lambda: is_gone(second))  # stopped with the group, though not its child
+
+
+async def test_a_rank_whose_template_died_before_it_started_never_runs() -> None:
+    # The rank's at-fork hook returns only once the template is dead: the rank
+    # must not go on to run fn, a process nobody can reap or report on.
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    with reader, writer:
+        ctx = await aiospawn.start_processes(
+            warm_ranks.ready_then_wait,
+            args=(writer,),
+            join=False,
+            preload=["tests.warm_modules.waits_out_template"],
+        )
+        killed = only_template()
+        [rank] = ctx.pids()
+        os.kill(killed, signal.SIGKILL)
+        with (
+            tripwire(60, "join() of a rank that outlived its template"),
+            pytest.raises(aiospawn.ProcessExitedException) as info,
+        ):
+            await ctx.join()
+        assert info.value.signal_name == "SIGKILL"
+        assert f"its warm-start template (pid {killed}) died while it ran" in info.value.msg
+        assert is_gone(rank)
+        assert not reader.poll(), reader.recv()
 
 
 @pytest.fixture
