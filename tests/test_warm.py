@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import multiprocessing
 import os
 import re
 import signal
@@ -508,6 +509,66 @@ async def test_a_template_killed_before_its_ranks_read_their_payload_fails_the_g
     del ctx, info
     _template.stop_all()
     assert wait_until(lambda: fd_census() <= before), sorted(fd_census() - before)
+
+
+async def wait_dead(pid: int) -> None:
+    """Wait until ``pid`` (a child of ours, or of one of our children) has exited."""
+    with contextlib.suppress(ProcessLookupError):  # reaped already
+        pidfd = os.pidfd_open(pid)
+        try:
+            with tripwire(60, f"the death of process {pid}"):
+                await anyio.wait_readable(pidfd)
+        finally:
+            os.close(pidfd)
+
+
+async def test_a_rank_is_reported_when_its_template_died_though_a_sibling_holds_its_socket() -> (
+    None
+):
+    # Rank 1, stalled in a preload's at-fork hook, holds the template's end of
+    # rank 0's status socket and outlives the template: that socket never
+    # reaches end-of-file. Rank 0 dies after the template, so no status comes.
+    ctx = await aiospawn.start_processes(
+        warm_ranks.report, nprocs=2, join=False, preload=["tests.warm_modules.outlives_template"]
+    )
+    killed = only_template()
+    first, second = ctx.pids()
+    os.kill(killed, signal.SIGKILL)
+    await wait_dead(killed)  # first: a living template would reap rank 0 and say how it died
+    os.kill(first, signal.SIGKILL)
+    with (
+        tripwire(60, "join() of a rank whose status socket a sibling holds"),
+        pytest.raises(aiospawn.ProcessExitedException) as info,
+    ):
+        await ctx.join()
+    assert (info.value.error_index, info.value.signal_name) == (0, "SIGKILL")
+    assert f"its warm-start template (pid {killed}) died while it ran" in info.value.msg
+    assert wait_until(lambda: is_gone(second))  # stopped with the group, though not its child
+
+
+async def test_a_rank_whose_template_died_before_it_started_never_runs() -> None:
+    # The rank's at-fork hook returns only once the template is dead: the rank
+    # must not go on to run fn, a process nobody can reap or report on.
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    with reader, writer:
+        ctx = await aiospawn.start_processes(
+            warm_ranks.ready_then_wait,
+            args=(writer,),
+            join=False,
+            preload=["tests.warm_modules.waits_out_template"],
+        )
+        killed = only_template()
+        [rank] = ctx.pids()
+        os.kill(killed, signal.SIGKILL)
+        with (
+            tripwire(60, "join() of a rank that outlived its template"),
+            pytest.raises(aiospawn.ProcessExitedException) as info,
+        ):
+            await ctx.join()
+        assert info.value.signal_name == "SIGKILL"
+        assert f"its warm-start template (pid {killed}) died while it ran" in info.value.msg
+        assert is_gone(rank)
+        assert not reader.poll(), reader.recv()
 
 
 @pytest.fixture

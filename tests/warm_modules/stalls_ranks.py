@@ -13,12 +13,16 @@ import signal
 
 _PR_SET_PDEATHSIG = 1
 
+#: The importer, the template: the parent of every process it forks. Known
+#: before the fork, since a parent that died before prctl() is no longer
+#: what os.getppid() says in the child.
+_TEMPLATE = os.getpid()
+
 
 def _stall() -> None:
-    parent = os.getppid()
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:
-        os._exit(1)
+    if os.getppid() != _TEMPLATE:  # it died before prctl(): die as if it had come later
+        os.kill(os.getpid(), signal.SIGKILL)
     while True:
         signal.pause()
 

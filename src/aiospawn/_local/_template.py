@@ -13,8 +13,9 @@ template's own side, and the protocol, are in ``aiospawn._rank.template``).
   :data:`IDLE_TIMEOUT` and :data:`MAX_TEMPLATES`).
 - :class:`WarmProcess`: what a :class:`~aiospawn._local._rank.LocalRank` holds
   in place of a ``multiprocessing`` process: ``start()`` asks its template to
-  fork, ``sentinel`` becomes readable once the template reaped the rank, and
-  ``exitcode`` is then the status the template sent, exact as for any rank.
+  fork, ``sentinel`` becomes readable once the template reaped the rank (or
+  died), and ``exitcode`` is then the status the template sent, exact as for
+  any rank (or, the template dead, a SIGKILL with its cause).
 - :func:`stop_all`: stop every template (at interpreter exit, and in tests).
 
 A template's life, as a start sees it::
@@ -528,6 +529,22 @@ class _StatusChannel:
         self.pidfd: int | None = None
         with contextlib.suppress(OSError):
             self.pidfd = _pipes.track(os.pidfd_open(pid))
+        #: The template's death, on a pidfd of our own (the template's may be
+        #: closed by its stop() while the rank's exit is still being recorded).
+        self._template_death: int | None = None
+        #: What the rank's watcher waits on: the status socket, or the
+        #: template's death. End-of-file alone cannot tell the template died:
+        #: a rank forked after this one holds a copy of the template's end of
+        #: this socket until it drops its siblings' ends (a preload's at-fork
+        #: hook runs before that), and a rank that outlived the template keeps it.
+        self.sentinel = self.fd
+        self._either: select.epoll | None = None
+        if template._pidfd is not None:
+            self._template_death = _pipes.track(os.dup(template._pidfd))
+            self._either = select.epoll()
+            self._either.register(self.fd, select.EPOLLIN)
+            self._either.register(self._template_death, select.EPOLLIN)
+            self.sentinel = _pipes.track(self._either.fileno())
         self.closed = False
         #: True once the status socket gave end-of-file with no status: the template died.
         self.eof = False
@@ -555,10 +572,11 @@ class _StatusChannel:
 
     def exited(self) -> bool:
         """True once the rank's process has exited (whoever reaps it)."""
-        if self.pidfd is None:
-            return True
-        ready, _, _ = select.select([self.pidfd], [], [], 0)
-        return bool(ready)
+        return self.pidfd is None or _readable(self.pidfd)
+
+    def template_died(self) -> bool:
+        """True once the template has exited: then no status comes that is not queued already."""
+        return self._template_death is not None and _readable(self._template_death)
 
     def close(self) -> None:
         """Release both ends. Idempotent."""
@@ -566,11 +584,22 @@ class _StatusChannel:
             return
         self.closed = True
         release(self._template)
+        if self._either is not None:
+            _pipes.forget(self.sentinel)
+            self._either.close()
         _pipes.forget(self.fd)
         self.sock.close()
+        if self._template_death is not None:
+            _pipes.close(self._template_death)
+            self._template_death = None
         if self.pidfd is not None:
             _pipes.close(self.pidfd)
             self.pidfd = None
+
+
+def _readable(fd: int) -> bool:
+    ready, _, _ = select.select([fd], [], [], 0)
+    return bool(ready)
 
 
 def _dumps(obj: object) -> bytes:
@@ -629,7 +658,7 @@ class WarmProcess:
 
     @property
     def sentinel(self) -> int:
-        """Readable once the template has sent the rank's exit status (or died)."""
+        """Readable once the template has sent the rank's exit status, or died."""
         return self._sentinel
 
     @property
@@ -637,10 +666,13 @@ class WarmProcess:
         """The rank's exit code (``-signal`` if a signal ended it), once known."""
         channel = self._popen
         if self._exitcode is None and channel is not None and not channel.closed:
+            # Before the status is read: a status the template sent before it
+            # died is queued by the time its death shows.
+            orphaned = channel.template_died()
             status = channel.read_status()
             if isinstance(status, int):
                 self._exitcode = status
-            elif isinstance(status, EOFError) and channel.exited():
+            elif (orphaned or isinstance(status, EOFError)) and channel.exited():
                 # The template died; the rank died with it (PR_SET_PDEATHSIG).
                 logger.warning(
                     "the warm-start template died while %s (pid %s) ran; its exit status is lost",
@@ -674,7 +706,7 @@ class WarmProcess:
         sock, self.pid = template.fork(payload, collector.fds)
         self._template_pid = template.pid
         self._popen = _StatusChannel(sock, self.pid, template)
-        self._sentinel = self._popen.fd
+        self._sentinel = self._popen.sentinel
 
     def is_alive(self) -> bool:
         """True between a successful start and the arrival of the exit status."""
@@ -685,9 +717,10 @@ class WarmProcess:
         channel = self._popen
         if channel is None or channel.closed or self.exitcode is not None:
             return
-        # After end-of-file the socket is always readable: wait for the
-        # process itself instead.
-        watched = [channel.pidfd] if channel.eof and channel.pidfd is not None else [channel.fd]
+        # After end-of-file, or once the template died, the sentinel is
+        # always readable: wait for the process itself instead.
+        orphaned = channel.eof or channel.template_died()
+        watched = [channel.pidfd] if orphaned and channel.pidfd is not None else [channel.sentinel]
         with contextlib.suppress(InterruptedError):
             select.select(watched, [], [], timeout)
         self.exitcode  # noqa: B018  (reads the status if it came)

@@ -315,6 +315,7 @@ class _Loop:
             if status is not None:
                 status.close()  # the supervisor's start sees end-of-file
             return None
+        template = os.getpid()
         try:
             with warnings.catch_warnings():
                 # Python 3.12+ warns of native threads at fork (see _preload for
@@ -329,7 +330,7 @@ class _Loop:
             return None
         if pid == 0:
             try:
-                return self._become_rank(status, fds[1:])
+                return self._become_rank(status, fds[1:], template)
             except BaseException:
                 # Its payload did not arrive or did not unpickle: the rank
                 # must not go on into the template's own code.
@@ -372,7 +373,7 @@ class _Loop:
             status.sendall(STATUS.pack(b"X", os.waitstatus_to_exitcode(wait_status)))
         status.close()
 
-    def _become_rank(self, status: socket.socket, fds: list[int]) -> _Rank:
+    def _become_rank(self, status: socket.socket, fds: list[int], template: int) -> _Rank:
         # Nothing of the template's own belongs to a rank: not the control
         # socket, not the pidfds and status sockets of its siblings.
         self._sock.close()
@@ -386,7 +387,7 @@ class _Loop:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         os.close(self._wakeup)
         os.close(self._wakeup_w)
-        _die_with_parent()
+        _die_with_parent(template)
         for fd in fds:
             os.set_inheritable(fd, False)  # as a spawn child has them: no leak into exec
         _received[:] = fds
@@ -414,11 +415,13 @@ def _ignore_signal(signum: int, frame: object) -> None:
     pass
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(parent: int) -> None:
     # Only the template can reap a rank and learn its exit status; a rank that
     # outlived it could be neither watched nor reported. prctl(2) ties this
     # process to the thread that forked it: the template's one thread.
-    parent = os.getppid()
+    # ``parent`` is the template's pid from before the fork: had it died
+    # since (while at-fork hooks ran, say), os.getppid() would name whoever
+    # took the rank over, and the check below would pass.
     try:
         import ctypes
 
