@@ -1,4 +1,4 @@
-"""accelerate's launchers through ``aiospawn.sync``: run as ``python -m tests.accelerate_client OUT``.
+"""accelerate's launchers through ``aiospawn.sync``: ``python -m tests.accelerate_client OUT``.
 
 Runs the same tiny job with ``debug_launcher`` (ranks started by
 ``torch.multiprocessing.start_processes``, which accelerate imports from that

@@ -1,20 +1,17 @@
-"""Rank functions and programs of the real-client tests (``tests/test_real_clients.py``).
+"""Rank functions and helpers of the real-client tests (``tests/test_real_clients.py``).
 
 The DDP job here saves its final weights, so that two ways of running it can be
-compared bit for bit. The client programs (``lightning_fabric``,
-``lightning_trainer``, ``accelerate_launchers``) are run by the tests as
-``python -m tests.client_ranks CLIENT ...`` in a process of their own: each
-puts ``aiospawn.sync`` where the client used ``torch.multiprocessing``, runs
-the client's own entry point, and prints one JSON line of what it saw. torch
-and the clients are imported inside the functions: this module imports without
-them.
+compared bit for bit. The client programs, ``tests/lightning_client.py`` and
+``tests/accelerate_client.py``, run in a process of their own: each puts
+``aiospawn.sync`` where the client uses ``torch.multiprocessing``, runs the
+client's own entry point, and prints one ``RESULT`` line of JSON (:func:`report`).
+torch is imported inside the functions: this module imports without it.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
