@@ -39,6 +39,23 @@ def note_pid(directory: str, rank: int) -> None:
     pid_file(directory, rank).write_text(f"{os.getpid()} {int(leads)}")
 
 
+def left_running(directory: str) -> list[int]:
+    """The ranks' pids (from their notes in ``directory``) that still exist, zombies included.
+
+    Called by the program that started the ranks, as soon as its launch call
+    returned or raised: aiospawn has reaped every rank by then.
+    """
+    left = []
+    for path in Path(directory).glob("rank*.pid"):
+        pid = int(path.read_text().split()[0])
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        left.append(pid)
+    return left
+
+
 # A DDP job, run by torch.multiprocessing.spawn and aiospawn.sync.spawn -------
 
 

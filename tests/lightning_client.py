@@ -1,7 +1,8 @@
 """lightning's ``ddp_spawn`` through ``aiospawn.sync``: run as ``python -m tests.lightning_client``.
 
-``python -m tests.lightning_client fabric OUT [fail]`` launches a function with
-``Fabric(accelerator="cpu", devices=2, strategy="ddp_spawn")``;
+``python -m tests.lightning_client fabric OUT`` launches a function with
+``Fabric(accelerator="cpu", devices=2, strategy="ddp_spawn")``, then again
+with a rank that raises (in ``OUT/ok`` and ``OUT/fail``);
 ``python -m tests.lightning_client trainer OUT`` fits a tiny model with
 ``Trainer(..., strategy="ddp_spawn", max_steps=3)``. Both first put
 ``aiospawn.sync`` in place of ``torch.multiprocessing`` in lightning's two
@@ -23,7 +24,7 @@ from lightning.fabric.strategies.launchers import multiprocessing as fabric_laun
 from lightning.pytorch.strategies.launchers import multiprocessing as trainer_launcher
 
 import aiospawn.sync
-from tests.client_ranks import FAILING_RANK, FAILURE, note_pid, report
+from tests.client_ranks import FAILING_RANK, FAILURE, left_running, note_pid, report
 
 
 def swap() -> None:
@@ -80,16 +81,23 @@ class TinyModel(lightning.LightningModule):
 
 def main(argv: list[str]) -> None:
     warnings.simplefilter("ignore")  # lightning's advice on CPU runs
-    client, out, *rest = argv
+    client, out = argv
     swap()
-    if client == "fabric":
-        fabric = lightning.Fabric(accelerator="cpu", devices=2, strategy="ddp_spawn")
-        try:
-            gathered = fabric.launch(fabric_job, out, rest == ["fail"])
-        except aiospawn.sync.ProcessRaisedException as exc:
-            report(error=type(exc).__name__, index=exc.error_index, cause=repr(exc.__cause__))
-        else:
-            report(gathered=gathered)
+    if client == "fabric":  # a job that succeeds, then one whose rank 1 fails
+        results: dict[str, Any] = {}
+        for name in ("ok", "fail"):
+            Path(out, name).mkdir()
+            fabric = lightning.Fabric(accelerator="cpu", devices=2, strategy="ddp_spawn")
+            try:
+                results[name] = fabric.launch(fabric_job, str(Path(out, name)), name == "fail")
+            except aiospawn.sync.ProcessRaisedException as exc:
+                results[name] = {
+                    "error": type(exc).__name__,
+                    "index": exc.error_index,
+                    "cause": repr(exc.__cause__),
+                }
+            results[f"{name}_left"] = left_running(str(Path(out, name)))
+        report(**results)
     else:
         torch.manual_seed(0)
         model = TinyModel(out)
