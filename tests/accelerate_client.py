@@ -5,8 +5,10 @@ Runs the same tiny job with ``debug_launcher`` (ranks started by
 module when called) and with ``notebook_launcher`` (ranks started by
 ``torch.distributed.elastic``'s ``MultiprocessContext``, through the
 ``torch.multiprocessing`` module that ``torch.distributed.elastic.multiprocessing.api``
-names ``mp``), after putting ``aiospawn.sync`` in both places. Each rank saves
-its final weights and leaves its pid in ``OUT/debug`` or ``OUT/notebook``.
+names ``mp``), after putting ``aiospawn.sync`` in both places; then
+``notebook_launcher`` again, with a rank that raises. Each rank saves its final
+weights and leaves its pid in ``OUT/debug``, ``OUT/notebook`` or
+``OUT/notebook_fail``.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ import torch
 import torch.distributed.elastic.multiprocessing.api as elastic_api
 import torch.multiprocessing
 from accelerate import Accelerator, debug_launcher, notebook_launcher
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 import aiospawn.sync
-from tests.client_ranks import note_pid, report
+from tests.client_ranks import FAILING_RANK, FAILURE, left_running, note_pid, report
 from tests.ddp_ranks import free_address
 
 
@@ -31,8 +34,11 @@ def swap() -> None:
     elastic_api.mp = aiospawn.sync  # type: ignore[assignment]
 
 
-def job(out: str) -> None:
-    """A few steps of a tiny model under an Accelerator; save this rank's final weights."""
+def job(out: str, fail: bool = False) -> None:
+    """A few steps of a tiny model under an Accelerator; save this rank's final weights.
+
+    With ``fail``, rank :data:`FAILING_RANK` raises after its first step.
+    """
     accelerator = Accelerator(cpu=True)
     rank = accelerator.process_index
     note_pid(out, rank)
@@ -41,7 +47,9 @@ def job(out: str) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model, optimizer = accelerator.prepare(model, optimizer)
     data = torch.Generator().manual_seed(100 + rank)
-    for _ in range(3):
+    for index in range(3):
+        if fail and rank == FAILING_RANK and index == 1:
+            raise ValueError(FAILURE)
         optimizer.zero_grad()
         accelerator.backward(model(torch.randn(8, 4, generator=data)).pow(2).mean())
         optimizer.step()
@@ -54,12 +62,19 @@ def main(argv: list[str]) -> None:
     warnings.simplefilter("ignore")
     (out,) = argv
     swap()
-    Path(out, "debug").mkdir()
-    Path(out, "notebook").mkdir()
+    for name in ("debug", "notebook", "notebook_fail"):
+        Path(out, name).mkdir()
     debug_launcher(job, args=(str(Path(out, "debug")),), num_processes=2)
     port = free_address().rsplit(":", 1)[1]
     notebook_launcher(job, args=(str(Path(out, "notebook")),), num_processes=2, use_port=port)
-    report(done=True)
+    failed = str(Path(out, "notebook_fail"))
+    port = free_address().rsplit(":", 1)[1]
+    try:
+        notebook_launcher(job, args=(failed, True), num_processes=2, use_port=port)
+    except ChildFailedError as exc:  # the elastic agent's report, its root cause first
+        rank, failure = exc.get_first_failure()
+        root_cause = {"rank": rank, "message": failure.message["message"]}
+    report(root_cause=root_cause, left=left_running(failed))
 
 
 if __name__ == "__main__":

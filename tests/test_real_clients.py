@@ -162,10 +162,22 @@ def torch_load(path: Path) -> dict[str, Any]:
 
 
 @needs("accelerate")
-def test_accelerate_debug_and_notebook_launchers_run_and_ranks_agree(tmp_path: Path) -> None:
-    assert client("accelerate_client", str(tmp_path), cwd=tmp_path) == {"done": True}
+def test_accelerate_debug_and_notebook_launchers_run_and_a_failing_rank_is_the_root_cause(
+    tmp_path: Path,
+) -> None:
+    result = client("accelerate_client", str(tmp_path), cwd=tmp_path)
     for launcher in ("debug", "notebook"):
         out = tmp_path / launcher
         assert all(is_gone(pid) for pid in rank_pids(out)), launcher
         first, second = weights(out)
         assert first == second, launcher
+    # notebook_launcher again, rank 1 raising: torch's elastic agent, polling
+    # the ranks through aiospawn.sync, names it as the root cause; none is left.
+    assert result == {
+        "root_cause": {
+            "rank": client_ranks.FAILING_RANK,
+            "message": f"ValueError: {client_ranks.FAILURE}",
+        },
+        "left": [],
+    }
+    assert all(is_gone(pid) for pid in rank_pids(tmp_path / "notebook_fail"))
