@@ -81,6 +81,20 @@ def only_template() -> int:
     return pid
 
 
+async def join_after_killing_the_template(
+    ctx: aiospawn.AsyncProcessContext[Any], template: int, ranks: str
+) -> None:
+    """SIGKILL ``template``; ``ctx.join()`` must raise SIGKILL naming the template's death."""
+    os.kill(template, signal.SIGKILL)
+    with (
+        tripwire(60, f"join() of {ranks} after their template was killed"),
+        pytest.raises(aiospawn.ProcessExitedException) as info,
+    ):
+        await ctx.join()
+    assert info.value.signal_name == "SIGKILL"
+    assert f"its warm-start template (pid {template}) died while it ran" in info.value.msg
+
+
 async def test_a_preloaded_module_is_imported_once_and_every_rank_has_it(
     import_log: Path,
 ) -> None:
@@ -497,16 +511,10 @@ async def test_a_template_killed_before_its_ranks_read_their_payload_fails_the_g
     ctx = await aiospawn.start_processes(
         warm_ranks.report, nprocs=2, join=False, preload=["tests.warm_modules.stalls_ranks"]
     )
-    killed = only_template()
-    os.kill(killed, signal.SIGKILL)
-    with (
-        tripwire(60, "join() of ranks whose template died before they read their payload"),
-        pytest.raises(aiospawn.ProcessExitedException) as info,
-    ):
-        await ctx.join()
-    assert info.value.signal_name == "SIGKILL"
-    assert f"its warm-start template (pid {killed}) died while it ran" in info.value.msg
-    del ctx, info
+    await join_after_killing_the_template(
+        ctx, only_template(), "ranks that had not read their payload"
+    )
+    del ctx
     _template.stop_all()
     assert wait_until(lambda: fd_census() <= before), sorted(fd_census() - before)
 
@@ -557,16 +565,8 @@ async def test_a_rank_whose_template_died_before_it_started_never_runs() -> None
             join=False,
             preload=["tests.warm_modules.waits_out_template"],
         )
-        killed = only_template()
         [rank] = ctx.pids()
-        os.kill(killed, signal.SIGKILL)
-        with (
-            tripwire(60, "join() of a rank that outlived its template"),
-            pytest.raises(aiospawn.ProcessExitedException) as info,
-        ):
-            await ctx.join()
-        assert info.value.signal_name == "SIGKILL"
-        assert f"its warm-start template (pid {killed}) died while it ran" in info.value.msg
+        await join_after_killing_the_template(ctx, only_template(), "a rank that outlived it")
         assert is_gone(rank)
         assert not reader.poll(), reader.recv()
 
