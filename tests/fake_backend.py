@@ -30,7 +30,7 @@ from typing import Any
 import anyio
 from anyio.lowlevel import checkpoint
 
-from aiospawn._core._backend import OnExit, RankHandle, raise_start_error
+from aiospawn._core._backend import RankHandle, raise_start_error
 from aiospawn._core._capture import CaptureBuffer
 from aiospawn._core._concurrency import Broadcast
 from aiospawn._core._context import AsyncProcessContext
@@ -202,12 +202,11 @@ class FakeProcess:
 class FakeRank:
     """One attempt at one rank; it starts, beats and exits when the test says."""
 
-    def __init__(self, backend: FakeBackend, index: int, restart: int, on_exit: OnExit) -> None:
+    def __init__(self, backend: FakeBackend, index: int, restart: int) -> None:
         self._backend = backend
         self.rank = index
         self.restart = restart
         self.link = MemoryLink() if backend.links else None
-        self._on_exit = on_exit
         self.started = False
         self.pid: int | None = None
         self.exit: RankExit | None = None
@@ -239,7 +238,6 @@ class FakeRank:
                 stopped_by_us=self._stopped_by_us,
                 ended_at=ended_at,
             )
-            self._on_exit(self.exit)
             self._backend.changed.notify()
         return self.exit
 
@@ -315,9 +313,9 @@ class FakeLauncher:
         self.rendezvous = 0
         self.closed = False
 
-    def make_rank(self, index: int, restart: int, on_exit: OnExit) -> FakeRank:
+    def make_rank(self, index: int, restart: int) -> FakeRank:
         """Make attempt ``restart`` of rank ``index``, recorded in the backend."""
-        rank = FakeRank(self._backend, index, restart, on_exit)
+        rank = FakeRank(self._backend, index, restart)
         self._backend.made.append(rank)
         return rank
 

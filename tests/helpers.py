@@ -180,7 +180,10 @@ def wait_exited(pids: Sequence[int], seconds: float = 60.0) -> None:
     supervisor then finds every exit at its next poll.
     """
     for pid in pids:
-        fd = os.pidfd_open(pid)
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:  # exited, and reaped by its group's owner already
+            continue
         try:
             ready, _, _ = select.select([fd], [], [], seconds)
         finally:

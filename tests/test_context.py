@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
-import os
 import signal
 from typing import Any
 
@@ -27,9 +27,15 @@ from tests.helpers import (
 pytestmark = [pytest.mark.anyio, pytest.mark.both_loops]
 
 
-async def wait_exited_unreaped(pid: int) -> None:
-    """Wait until our child ``pid`` has exited, leaving it for aiospawn's watcher to reap."""
-    await anyio.to_thread.run_sync(os.waitid, os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+async def wait_exited(ctx: aiospawn.AsyncProcessContext[Any], *ranks: int) -> None:
+    """Wait until the group's owner has seen ``ranks`` exit (nobody joins meanwhile)."""
+    waiting = set(ranks)
+    async with contextlib.aclosing(ctx.events()) as events:
+        async for event in events:
+            if isinstance(event, aiospawn.Exited):
+                waiting.discard(event.rank)
+                if not waiting:
+                    return
 
 
 def aiospawn_records(caplog: pytest.LogCaptureFixture, level: int) -> list[str]:
@@ -237,7 +243,7 @@ async def test_terminate_reports_the_lowest_rank_it_stopped_not_one_that_returne
     )
     await receive_ready(reader, 2)
     release.set()
-    await wait_exited_unreaped(ctx.pids()[0])
+    await wait_exited(ctx, 0)
 
     await ctx.terminate(grace_period=1)
 
@@ -254,8 +260,7 @@ async def test_terminate_after_every_rank_returned_leaves_join_true(
 ) -> None:
     caplog.set_level(logging.WARNING, logger="aiospawn")
     ctx = await aiospawn.start_processes(ranks.identity, ("done",), nprocs=2, join=False)
-    for pid in ctx.pids():
-        await wait_exited_unreaped(pid)
+    await wait_exited(ctx, 0, 1)
 
     await ctx.terminate()
     await ctx.terminate()

@@ -23,7 +23,7 @@ import pytest
 
 import aiospawn
 from tests import ranks
-from tests.helpers import live_children, wait_until
+from tests.helpers import is_reaped, live_children, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -65,23 +65,24 @@ async def test_ranks_start_side_by_side(start_method: str) -> None:
 
 
 @pytest.mark.parametrize("start_method", ["spawn", "fork"])
-def test_a_group_started_from_a_thread_outlives_the_thread(
+def test_a_group_started_on_a_short_lived_thread_lives_as_long_as_its_loop(
     anyio_backend: str, start_method: str
 ) -> None:
-    """The pdeathsig hazard (docs/architecture.md): a rank outlives the thread that started it.
+    """The pdeathsig hazard (docs/architecture.md): no rank dies with the thread that forked it.
 
     ``PR_SET_PDEATHSIG`` fires when the thread that forked the child exits. Here
-    an event loop on a short-lived thread starts the group and returns; the
-    thread (and on asyncio, anyio's worker threads that did the forking) end.
-    Trio keeps its worker threads for 10 s, so the rank also reports that no
-    parent-death signal is set at all.
+    an event loop on a short-lived thread starts the group: the ranks report
+    that no parent-death signal is set, and answer while the loop runs. When
+    the loop ends, its group's owner stops the ranks (SIGTERM) and reaps them
+    before the thread is gone.
     """
     pipes = [multiprocessing.Pipe() for _ in range(2)]
     ours = [a for a, _ in pipes]
     theirs = [b for _, b in pipes]
     groups: list[aiospawn.AsyncProcessContext[None]] = []
+    finish = threading.Event()
 
-    async def start() -> None:
+    async def run() -> None:
         groups.append(
             await aiospawn.start_processes(
                 ranks.launch_ping,
@@ -92,36 +93,34 @@ def test_a_group_started_from_a_thread_outlives_the_thread(
                 grace_period=5,
             )
         )
+        await anyio.to_thread.run_sync(finish.wait)
 
     threads_before = set(threading.enumerate())
-    thread = threading.Thread(target=anyio.run, args=(start,), kwargs={"backend": anyio_backend})
+    thread = threading.Thread(target=anyio.run, args=(run,), kwargs={"backend": anyio_backend})
     thread.start()
-    thread.join(60)
-    assert not thread.is_alive(), "deadlock: starting the group on a thread did not finish"
-    assert len(groups) == 1
-    ctx = groups[0]
     try:
-        if anyio_backend == "asyncio":
-            assert wait_until(lambda: set(threading.enumerate()) <= threads_before), (
-                "anyio's worker threads outlived their event loop"
-            )
+        assert wait_until(lambda: groups, 60), "deadlock: starting the group on a thread"
+        ctx = groups[0]
         pids = ctx.pids()
         for conn, pid in zip(ours, pids, strict=True):
             assert conn.poll(30), "no 'ready' from a rank"
             assert conn.recv() == ("ready", pid, 0)  # 0: no parent-death signal
-            assert is_alive(pid)
-        for conn, pid in zip(ours, pids, strict=True):
+        for conn in ours:
             conn.send("ping")
             assert conn.poll(30), "no 'pong' from a rank"
             assert conn.recv() == ("pong", "ping")
-            assert is_alive(pid)
     finally:
-        # The group's own shutdown reaps the ranks and closes the group's fds
-        # (an os.waitpid here would take the exit status from under its watcher).
-        anyio.run(ctx.terminate, backend=anyio_backend)
+        finish.set()
+        thread.join(60)
         for conn in ours + theirs:
             conn.close()
+    assert not thread.is_alive(), "deadlock: the loop's end did not stop its group"
+    assert all(is_reaped(pid) for pid in pids)
     assert [p.exitcode for p in ctx.processes] == [-signal.SIGTERM] * 2
+    if anyio_backend == "asyncio":
+        assert wait_until(lambda: set(threading.enumerate()) <= threads_before), (
+            "anyio's worker threads outlived their event loop"
+        )
 
 
 @pytest.mark.parametrize("start_method", ["spawn", "fork", "forkserver"])

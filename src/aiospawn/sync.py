@@ -69,6 +69,7 @@ from ._api import start_processes as _start_group_async
 from ._api import warn_spawn_only
 from ._core._context import AsyncProcessContext, group_of
 from ._core._errors import ProcessException, ProcessExitedException, ProcessRaisedException
+from ._core._group import stop_on_join
 from ._core._log import log_as
 from ._core._spec import check_seconds, resolve_start_method
 
@@ -850,6 +851,7 @@ class _LoopThread:
         # The loop thread's context, inherited by every task and worker thread
         # of its group: the group's events are logged where torch's are.
         log_as(_TORCH_LOGGER)
+        stop_on_join()  # and a failure stops the group in join(), as torch's does
         try:
             anyio.run(self._serve, backend="asyncio")
         except BaseException as exc:

@@ -13,15 +13,12 @@ in the same slot, made by the same launcher.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from ._capture import CaptureBuffer
 from ._outcome import RankExit
 from ._spec import LaunchSpec
-
-#: Called once per handle, on the event-loop thread, with the attempt's exit.
-OnExit = Callable[[RankExit], None]
 
 
 def raise_start_error(errors: Mapping[int, BaseException], count: int, where: str = "") -> None:
@@ -110,10 +107,18 @@ class RankHandle(Protocol):
         """How the attempt ended, once it has ended and been cleaned up."""
 
     def poll(self) -> RankExit | None:
-        """Make progress without waiting; return the exit if it is known now."""
+        """Reap the rank if it has exited, without waiting; return the exit if known now.
+
+        Tells nobody: the group learns of the exit from :meth:`wait`.
+        """
 
     async def wait(self) -> RankExit:
-        """Wait for the exit. Several tasks may call this at once; one watches."""
+        """Wait for the exit. Several tasks may call this at once; one watches.
+
+        While it waits, the rank's output is read and what it sends is taken
+        in, so that the rank never blocks on a full pipe: the group's owner
+        waits here for as long as the attempt runs.
+        """
 
     def discard(self) -> None:
         """Release what a rank that will never start holds."""
@@ -142,7 +147,7 @@ class RankHandle(Protocol):
 class GroupLauncher(Protocol):
     """Makes and starts the ranks of one group, for as long as the group lives."""
 
-    def make_rank(self, index: int, restart: int, on_exit: OnExit) -> RankHandle:
+    def make_rank(self, index: int, restart: int) -> RankHandle:
         """Create, without starting, attempt number ``restart`` of rank ``index``."""
 
     async def start(self, ranks: Sequence[RankHandle]) -> None:

@@ -39,7 +39,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import pickle
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, final
 
 import anyio
@@ -54,7 +54,7 @@ from aiospawn._rank.wire import Link as Kind
 from ._backend import Link, RankHandle
 from ._concurrency import Broadcast
 from ._errors import ProcessException
-from ._outcome import BrokenChannel
+from ._outcome import BrokenChannel, RankExit
 
 #: A pickle this large or larger is encoded and decoded on a worker thread.
 THREAD_BYTES = 256 * 1024
@@ -63,10 +63,6 @@ INBOX_MESSAGES = 64
 INBOX_BYTES = 64 * 1024 * 1024
 #: Bytes that may wait in the outgoing queue when a ``send()`` adds its frame.
 QUEUED_BYTES = 256 * 1024
-#: While bytes wait to go out, the reading task tries again this often.
-_RETRY_WRITE = 0.05
-
-_NOTHING_YET = object()
 
 
 class _TooLarge(Exception):
@@ -251,33 +247,48 @@ _CONSTRUCT = object()
 
 
 class Conversation:
-    """Everything the supervisor holds of one attempt's channel; :class:`RankChannel` fronts it."""
+    """Everything the supervisor holds of one attempt's channel; :class:`RankChannel` fronts it.
+
+    The group's owner runs :meth:`pump` for as long as the attempt's stream
+    lasts: its reader sorts every frame the rank sends, its writer pushes out
+    what senders queued. Users' tasks (``send()``, ``receive()``, calls,
+    ``wait_ready()``) only queue frames and wait for what the pump did, so
+    frames move whether or not anyone waits for them, and a task cancelled at
+    any point leaves nothing half done: a frame it queued is written whole by
+    the writer.
+    """
 
     def __init__(
         self,
         handle: RankHandle,
         link: Link,
         on_ready: Callable[[RankHandle], None],
-        supervised: Callable[[], bool],
         on_broken: Callable[[RankHandle, BrokenChannel], None],
+        exit_of: Callable[[RankHandle], Awaitable[RankExit | None]],
     ) -> None:
         self._handle = handle
+        self._exit_of = exit_of
         self._link = link
         self._on_ready = on_ready
         self._on_broken = on_broken
         #: Set once the rank sent a frame that breaks the format.
         self.broken: BrokenChannel | None = None
-        self._supervised = supervised
         self._inbox: collections.deque[bytes | bytearray] = collections.deque()
         self._inbox_bytes = 0
         self._replies: dict[int, bytes | bytearray | None] = {}
-        self._changed = Broadcast()
-        self._reading = False
+        # One wake-up per kind of change, so that each waits only for its own.
+        self._arrived = Broadcast()  # a frame was sorted, or the stream ended
+        self._room = Broadcast()  # the inbox has room again
+        self._to_write = Broadcast()  # a frame was queued
+        self._written = Broadcast()  # bytes went out, or writing failed
+        self._queued_bytes = 0  # bytes ever queued ...
+        self._written_bytes = 0  # ... and ever written: a frame is out once this passes its end
+        self._write_failed = False  # the rank's end is closed
         self._ended = False  # the stream from the rank ended (or the link was released)
         self._rank_closed = False  # ... because the rank closed its end
         self._closed = False  # aclose() was called
         self._eof_sent = False
-        # Both callers have checkpointed already: an uncontended lock need not.
+        # Its callers have checkpointed already: an uncontended lock need not.
         self._send_lock = anyio.Lock(fast_acquire=True)
         self._receive_lock = anyio.Lock(fast_acquire=True)
         self.ready_payload: bytes | bytearray | None = None
@@ -307,6 +318,71 @@ class Conversation:
             return state + " closed"
         return state + (" ended" if self._ended else "")
 
+    # ------------------------------------------------------------ the owner's
+
+    async def pump(self) -> None:
+        """Read and write frames until the stream ends: the group's owner runs this."""
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._write_queued)
+            await self._read_frames()
+            tg.cancel_scope.cancel()
+
+    def drain_and_release(self) -> None:
+        """Sort every frame that can be read now, then release the transport: the attempt is over.
+
+        What the rank sent just before it exited is still in the socket, and
+        stays receivable once the transport is released. Released at the exit,
+        not at the end of the stream: a process the rank started may hold the
+        rank's end open.
+        """
+        while not self._ended:
+            try:
+                frame = self._link.frame_now()
+            except FrameError as exc:
+                self._break(exc)
+                break
+            if frame is False:
+                break
+            self._take(frame if isinstance(frame, tuple) else None)
+        self.release()
+
+    def release(self) -> None:
+        """Release the transport (the attempt is over or was replaced); no waiting."""
+        if not self._ended:
+            self._ended = True
+            self._link.close()
+            for change in (self._arrived, self._room, self._to_write, self._written):
+                change.notify()
+
+    def close_sending(self) -> None:
+        """:meth:`send_eof` without waiting: the writer sends the frame as the socket takes it."""
+        if not (self._closed or self._eof_sent or self._ended):
+            self._eof_sent = True
+            self._queue(Kind.CLOSE, b"")
+
+    async def _read_frames(self) -> None:
+        while not self._ended:
+            if len(self._inbox) >= INBOX_MESSAGES or self._inbox_bytes >= INBOX_BYTES:
+                # Full: nothing more is read, and the rank's send() blocks
+                # once the socket is full, until a receive() makes room.
+                await self._room.wait()
+                continue
+            try:
+                frame = await self._link.receive_frame()
+            except FrameError as exc:
+                self._break(exc)
+                return
+            self._take(frame)
+
+    async def _write_queued(self) -> None:
+        while not self._ended and not self._write_failed:
+            if not self._link.queued:
+                await self._to_write.wait()
+            elif not self._write_some():
+                await self._link.wait_writable()
+
+    # ------------------------------------------------------------ the users'
+
     async def send(self, item: Any) -> None:
         """:meth:`RankChannel.send`."""
         await checkpoint()
@@ -318,7 +394,7 @@ class Conversation:
         """:meth:`RankChannel.receive`."""
         await checkpoint()
         async with self._receive_lock:
-            await self._read_until(lambda: bool(self._inbox))
+            await self._wait_for(lambda: bool(self._inbox))
             if self._closed:
                 raise anyio.ClosedResourceError
             if self._inbox:
@@ -337,27 +413,18 @@ class Conversation:
     def _take_first(self) -> None:
         payload = self._inbox.popleft()
         self._inbox_bytes -= len(payload)
-        self._changed.notify()  # room in the inbox
+        self._room.notify()
 
     async def send_eof(self) -> None:
         """:meth:`RankChannel.send_eof`."""
+        await checkpoint()
         if self._closed or self._eof_sent:
             return
         self._eof_sent = True
-        self._link.queue_frame(Kind.CLOSE, b"")
         # The rank may have ended: then there is nobody to tell.
         with contextlib.suppress(ProcessException, anyio.BrokenResourceError, anyio.EndOfStream):
-            # Behind a send() that waits for the socket (two waiters on one fd
-            # are refused: BusyResourceError); that send writes the CLOSE too.
             async with self._send_lock:
-                await self._flush(0)
-
-    def close_sending(self) -> None:
-        """:meth:`send_eof` without waiting: the frame goes out as the socket takes it."""
-        if not (self._closed or self._eof_sent):
-            self._eof_sent = True
-            self._link.queue_frame(Kind.CLOSE, b"")
-            self._write_now()
+                await self._deliver(Kind.CLOSE, b"")
 
     async def aclose(self) -> None:
         """:meth:`RankChannel.aclose`."""
@@ -368,34 +435,6 @@ class Conversation:
             self._closed = True
             self.release()
         await checkpoint()
-
-    def drain(self) -> None:
-        """Sort every frame the rank sent that can be read now, without waiting.
-
-        For an attempt that has exited: what it sent just before is still in
-        the socket, and stays receivable once the transport is released.
-        """
-        while not self._ended:
-            try:
-                frame = self._link.frame_now()
-            except FrameError as exc:
-                self._break(exc)
-                break
-            if frame is False:
-                break
-            self._take(frame if isinstance(frame, tuple) else None)
-
-    def drain_and_release(self) -> None:
-        """:meth:`drain`, then :meth:`release`: the attempt is over."""
-        self.drain()
-        self.release()
-
-    def release(self) -> None:
-        """Release the transport (the attempt is over or was replaced); no waiting."""
-        if not self._ended:
-            self._ended = True
-            self._link.close()
-            self._changed.notify()
 
     async def call(self, call_id: int, request: bytes) -> bytes | bytearray:
         """Send one CALL frame and wait for its REPLY's payload.
@@ -410,7 +449,7 @@ class Conversation:
         self._replies[call_id] = None
         try:
             await self._send_frame(Kind.CALL, CALL_ID.pack(call_id) + request)
-            await self._read_until(lambda: self._replies[call_id] is not None)
+            await self._wait_for(lambda: self._replies[call_id] is not None)
             reply = self._replies[call_id]
             if reply is not None:
                 return reply
@@ -422,12 +461,8 @@ class Conversation:
             del self._replies[call_id]  # a late answer finds no call, and is dropped
 
     async def wait_ready(self) -> None:
-        """Read until the rank is ready, or its stream ends."""
-        await self._read_until(lambda: self.ready)
-
-    async def read(self) -> None:
-        """Read frames for as long as the stream lasts (the group's supervision does)."""
-        await self._read_until(lambda: False)
+        """Wait until the rank is ready, or its stream has ended."""
+        await self._wait_for(lambda: self.ready)
 
     # ------------------------------------------------------------------ inside
 
@@ -437,87 +472,53 @@ class Conversation:
 
     async def _send_frame(self, kind: int, payload: bytes) -> None:
         async with self._send_lock:
-            await self._flush(QUEUED_BYTES)
+            # Back-pressure: queued whole once little enough waits before it.
+            while self._link.queued >= QUEUED_BYTES and not self._stopped_writing():
+                await self._written.wait()
             self._check_sendable()
-            self._link.queue_frame(kind, payload)
-            await self._flush(0)
+            await self._deliver(kind, payload)
 
-    async def _flush(self, below: int) -> None:
-        """Write until fewer than ``below`` bytes (none, for 0) are left queued."""
-        while True:
-            if self._ended:
+    async def _deliver(self, kind: int, payload: bytes) -> None:
+        """Queue a frame and wait until it is written; cancelled, the writer still writes it."""
+        if self._stopped_writing():
+            await self._raise_end(f"rank {self.rank} has ended")
+        end = self._queue(kind, payload)
+        while self._written_bytes < end:
+            if self._stopped_writing():
                 await self._raise_end(f"rank {self.rank} has ended")
-            try:
-                if self._link.write_some() or self._link.queued < below:
-                    return
-            except OSError:  # the rank's end is closed: it has exited
-                await self._raise_end(f"rank {self.rank} has ended")
-            await self._link.wait_writable()
+            await self._written.wait()
 
-    def _write_now(self) -> None:
-        if self._link.queued and not self._ended:
-            # The rank may be gone; whoever reads next learns how it ended.
-            with contextlib.suppress(OSError):
-                self._link.write_some()
+    def _queue(self, kind: int, payload: bytes) -> int:
+        """Queue a frame, write what the socket takes now; return where the frame ends."""
+        before = self._link.queued
+        self._link.queue_frame(kind, payload)
+        self._queued_bytes += self._link.queued - before
+        self._write_some()
+        self._to_write.notify()
+        return self._queued_bytes
 
-    async def _read_until(self, done: Callable[[], bool]) -> None:
-        """Return once ``done()``, the stream has ended, or :meth:`aclose` was called."""
-        while not (done() or self._ended):
-            if self._reading:
-                await self._changed.wait()
-                continue
-            self._reading = True
-            try:
-                await self._read_frame_or_exit()
-            finally:
-                self._reading = False
-                self._changed.notify()
-
-    async def _read_frame_or_exit(self) -> None:
-        """Read one frame; or, once the attempt has exited, what it left, and end.
-
-        The end of the stream normally tells that the rank is gone; but a
-        process the rank forked may hold its socket open. So the attempt's
-        exit ends the stream too: the group's supervision watches it, and a
-        reader without supervision (a ``join=False`` group nobody joins)
-        watches it itself.
-        """
-        if self._handle.exit is not None:
-            self.drain_and_release()
-            return
-        if self._supervised():
-            await self._read_frame()
-            return
-        async with anyio.create_task_group() as tg:
-
-            async def until_exit() -> None:
-                await self._handle.wait()
-                tg.cancel_scope.cancel()
-
-            tg.start_soon(until_exit)
-            await self._read_frame()
-            tg.cancel_scope.cancel()
-
-    async def _read_frame(self) -> None:
-        while (
-            len(self._inbox) >= INBOX_MESSAGES or self._inbox_bytes >= INBOX_BYTES
-        ) and not self._ended:
-            await self._changed.wait()  # full: the rank waits until a receive() makes room
-        if self._ended:
-            return
-        frame: tuple[int, bytes | bytearray] | object | None = _NOTHING_YET
+    def _write_some(self) -> bool:
+        """Write what the socket takes now; True once nothing is left queued."""
+        if self._ended or self._write_failed:
+            return True
+        before = self._link.queued
         try:
-            if self._link.queued:  # what a cancelled send left: keep it moving
-                self._write_now()
-                with anyio.move_on_after(_RETRY_WRITE):
-                    frame = await self._link.receive_frame()
-            else:
-                frame = await self._link.receive_frame()
-        except FrameError as exc:
-            self._break(exc)
-            return
-        if frame is not _NOTHING_YET:
-            self._take(frame if isinstance(frame, tuple) else None)
+            done = self._link.write_some()
+        except OSError:  # the rank's end is closed: it has exited
+            self._write_failed = True
+            done = True
+        else:
+            self._written_bytes += before - self._link.queued
+        self._written.notify()
+        return done
+
+    def _stopped_writing(self) -> bool:
+        return self._ended or self._write_failed
+
+    async def _wait_for(self, done: Callable[[], bool]) -> None:
+        """Return once ``done()``, or the stream has ended (or :meth:`aclose` was called)."""
+        while not (done() or self._ended):
+            await self._arrived.wait()
 
     def _break(self, error: FrameError) -> None:
         """The rank sent a frame that breaks the format: read nothing more, report it."""
@@ -548,6 +549,8 @@ class Conversation:
         elif kind == Kind.CLOSE:
             self._rank_closed = True
             self.release()
+            return
+        self._arrived.notify()
 
     async def _raise_end(self, message: str | None = None) -> None:
         """Raise how the stream ended: EndOfStream, or the rank's failure."""
@@ -556,8 +559,10 @@ class Conversation:
         if self.broken is not None:
             raise self.broken.exception()
         if not self._rank_closed:
-            exit = await self._handle.wait()
-            if not exit.succeeded:
+            # As the group records it: by then, what follows from the exit
+            # (a restart, the group's failure) is decided too.
+            exit = await self._exit_of(self._handle)
+            if exit is not None and not exit.succeeded:
                 raise exit.exception()
         if message is not None:
             raise anyio.BrokenResourceError(message)

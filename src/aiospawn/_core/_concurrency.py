@@ -9,19 +9,25 @@
   it is done, then re-raises the cancellation it absorbed.
 - :class:`Broadcast`: wakes every task waiting for "something changed".
 - :class:`SingleWatcher`: one task at a time does a wait that only one may
-  do (an fd has one waiter, a group one supervisor); the others wait for it,
-  and one of them takes over if it is cancelled.
+  do (an fd has one waiter); the others wait for it, and one of them takes
+  over if it is cancelled.
+- :func:`start_owner`: start a group's owner as a task of the event loop
+  itself, for the forms of the API that have no scope of their own.
 """
 
 from __future__ import annotations
 
+import contextvars
 import sys
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
 
 import anyio
 
 T = TypeVar("T")
+
+#: The owners started on asyncio loops: the loop holds its tasks weakly.
+_owners: set[Any] = set()
 
 
 async def run_to_completion(fn: Callable[[], Awaitable[T]]) -> T:
@@ -129,11 +135,6 @@ class SingleWatcher:
     def __init__(self) -> None:
         self._watching: anyio.Event | None = None
 
-    @property
-    def busy(self) -> bool:
-        """True while a task runs the watch."""
-        return self._watching is not None
-
     async def run(self, finished: Callable[[], bool], watch: Callable[[], Awaitable[None]]) -> None:
         """Return once ``finished()``, watching with ``watch()`` while nobody else does."""
         while not finished():
@@ -146,3 +147,27 @@ class SingleWatcher:
             finally:
                 self._watching = None
                 done.set()
+
+
+def start_owner(owner: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    """Run ``owner()`` as a task of the running event loop, outside the caller's scope.
+
+    A group started by ``start_processes(join=False)`` outlives the call that
+    started it, so its owner cannot be a task of that call's scope: it is a
+    task of the loop (on trio, a system task), which the loop cancels when it
+    ends (``asyncio.run`` and ``trio.run`` both do). ``owner`` must handle
+    that cancellation by stopping and reaping its ranks, and must not raise
+    anything else (on trio a system task's error crashes the run).
+
+    The task runs in a copy of the caller's context (``contextvars``), as a
+    task started from it would.
+    """
+    if runs_asyncio():
+        import asyncio  # loaded already
+
+        task = asyncio.get_running_loop().create_task(owner())
+        _owners.add(task)
+        task.add_done_callback(_owners.discard)
+        return
+    trio = sys.modules["trio"]  # the caller runs in a trio task
+    trio.lowlevel.spawn_system_task(owner, context=contextvars.copy_context())

@@ -24,19 +24,26 @@ shutdown begun), never stored twice::
 
 Each slot holds the current attempt at its rank (a ``RankHandle`` from the
 group's launcher; a restart puts a new one in the slot). Every exit is seen by
-exactly one watcher (``RankHandle.wait``) and reported through
-:meth:`Group._on_exit`. What follows a failure is the restart tracker's
-decision (``_restarts``); which ranks are hung, the hang watch's (``_hangs``);
-the exception and the results are built by ``_outcome``. Of the failures
-that the restart policy does not absorb, not caused by us, the one that
+the owner's watch of that attempt and recorded by :meth:`Group._record_exit`.
+What follows a failure is the restart tracker's decision (``_restarts``);
+which ranks are hung, the hang watch's (``_hangs``); the exception and the
+results are built by ``_outcome``. Of the failures that the restart policy
+does not absorb, not caused by us, the one that
 ended first is the root cause (by when it ended, not when the group learnt of
 it: one poll may find several exits); every ``join()`` raises an exception
 equal to the one built from it.
 
-Supervision runs in whichever task waits on the group (``join()`` or an
-``async with`` block), one at a time (``SingleWatcher``); the others wait for
-it. It can stop and resume at any point: a pending restart keeps its due
-time, and a rank's watcher resumes where it stopped.
+One task, the group's **owner** (:meth:`Group._own`), drives it from the
+start of its ranks to their last reap, whether or not anyone waits on the
+group: it starts the ranks, watches each attempt (its exit, its output), pumps
+every channel, watches heartbeats, makes the restarts and runs the shutdown.
+Everything else (``join()``, ``wait_ready()``, calls, the end of an ``async
+with`` block, ``terminate()``) reads the state the owner keeps and waits for
+it to change; a shutdown is asked of the owner, never run beside it. Where the
+owner runs (see :func:`~._concurrency.start_owner`): a task of the event loop
+itself, which ends, at the latest, with the loop; the forms of the API that
+have a scope (``spawn()``, ``open_group()``, ``join()``) wait for it to end
+before they return.
 
 The internal interface that ``aiospawn.sync`` uses, beside the handle's:
 :meth:`Group.wait_step` (``join()`` that also returns after any one exit, as
@@ -45,6 +52,7 @@ torch's ``join()`` does), :meth:`Group.unjoined` and :meth:`Group.attempt`.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import itertools
 import math
@@ -61,7 +69,7 @@ from anyio.lowlevel import checkpoint
 from ._backend import Backend, GroupLauncher, RankHandle
 from ._capture import CaptureBuffer
 from ._channel import Conversation, RankChannel, decode, encode
-from ._concurrency import Broadcast, SingleWatcher, run_to_completion
+from ._concurrency import Broadcast, run_to_completion, start_owner
 from ._errors import ProcessException, signal_name
 from ._events import (
     EventLog,
@@ -97,12 +105,25 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
+#: Set for the groups started from a context that stands in for
+#: ``torch.multiprocessing`` (``aiospawn.sync``): a failure stops the other
+#: ranks at the next ``join()``, with its grace period, as torch's does.
+_failure_waits_for_join: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "aiospawn_failure_waits_for_join", default=False
+)
+
+
+def stop_on_join() -> None:
+    """Have the groups started from this context act on a failure in ``join()``."""
+    _failure_waits_for_join.set(True)
+
+
 #: Seconds a hung rank gets to write its stacks before it is stopped anyway.
 STACK_TIMEOUT = 1.0
 
 
 class Group(Generic[T]):
-    """The state of one rank group and the supervision that moves it on."""
+    """The state of one rank group, and the owner task that moves it on."""
 
     def __init__(
         self,
@@ -135,7 +156,8 @@ class Group(Generic[T]):
         self._ranks: list[RankHandle] = self._make_ranks(range(spec.nprocs))
         self._last_starts: list[Started | None] = [None] * spec.nprocs
         self._last_exits: list[Exited | None] = [None] * spec.nprocs
-        self._started = anyio.Event()
+        self._started = anyio.Event()  # the first start has finished (or failed)
+        self._start_error: Exception | None = None
         self._starting: anyio.Event | None = None  # set when a restart's start finishes
         self._root: Failure | None = None
         self._restart_error: Exception | None = None
@@ -143,19 +165,30 @@ class Group(Generic[T]):
         # channel): we stop them, and their exit is never the cause.
         self._faulty: set[RankHandle] = set()
         self._probing: set[RankHandle] = set()  # attempts whose stacks are being taken
-        self._shutdown: Shutdown | None = None
-        self._shutdown_done = anyio.Event()
+        self._recorded: set[RankHandle] = set()  # attempts whose exit the owner recorded
+        self._shutdown: Shutdown | None = None  # asked for: the owner runs it
         self._stuck: list[RankHandle] = []
         self._results: list[T] | None = None
         self._decoding: anyio.Event | None = None  # set once a decoding has ended
-        self._body: anyio.abc.TaskGroup | None = None
-        self._supervisor = SingleWatcher()
+        self._block: anyio.CancelScope | None = None  # an async with block's
+        self._owned: anyio.abc.TaskGroup | None = None  # the owner's tasks, while it runs
+        self._first_start: anyio.CancelScope | None = None
+        self._broken_owner: BaseException | None = None  # a defect of ours, raised by join()
+        self._done = anyio.Event()  # the owner has ended: every rank reaped, all released
         self._changed = Broadcast()
         self._exits_seen = 0
+        self._exits_reported = 0  # ... of which wait_step() has returned for
+        # As torch's groups do, aiospawn.sync's act on a failure in join().
+        self._failure_waits_for_join = _failure_waits_for_join.get()
 
     @classmethod
     async def start(cls, spec: LaunchSpec, supervision: Supervision, backend: Backend) -> Group[T]:
-        """Start every rank of ``spec``; on any error or cancellation, stop those that started."""
+        """Start every rank of ``spec`` under a new owner.
+
+        Returns once every start has finished. On a start error, or if the
+        caller is cancelled meanwhile, the ranks that started are stopped and
+        reaped first, then the error or cancellation propagates.
+        """
         capture = CaptureBuffer() if spec.output.captures else None
         launcher = await backend.open(spec, capture)
         try:
@@ -163,13 +196,15 @@ class Group(Generic[T]):
         except BaseException:  # making a rank failed: no rank has started
             await run_to_completion(launcher.aclose)
             raise
+        start_owner(self._own)
         try:
-            await self._launch(self._ranks)
+            await self._started.wait()
         except BaseException:
-            self._started.set()
-            await self._shut_down(None, after_failure=False)
+            await self._stop(None)
             raise
-        self._started.set()
+        if self._start_error is not None:
+            await run_to_completion(self._done.wait)
+            raise self._start_error
         return self
 
     # ------------------------------------------------------------ what it shows
@@ -185,7 +220,7 @@ class Group(Generic[T]):
 
     def unjoined(self) -> list[int]:
         """The ranks whose exit has not been seen (never started, running, or stuck)."""
-        return [rank.rank for rank in self._ranks if rank.exit is None]
+        return [rank.rank for rank in self._ranks if rank not in self._recorded]
 
     @property
     def results(self) -> list[T] | None:
@@ -197,11 +232,12 @@ class Group(Generic[T]):
         pending = self._tracker.pending_slots()
         ranks = []
         for index, rank in enumerate(self._ranks):
-            if index in pending and (rank.exit is not None or not rank.started):
+            exited = rank in self._recorded
+            if index in pending and (exited or not rank.started):
                 state = "restarting"
             elif not rank.started:  # starting, or never will: its slot is done
                 state = "exited" if self._finished() else "starting"
-            elif rank.exit is not None:
+            elif exited:
                 state = "exited"
             elif self._shutdown is not None or rank in self._faulty or index in pending:
                 state = "stopping"
@@ -232,11 +268,11 @@ class Group(Generic[T]):
         return state
 
     def _running(self) -> int:
-        return sum(1 for rank in self._ranks if rank.started and rank.exit is None)
+        return sum(1 for rank in self._ranks if rank.started and rank not in self._recorded)
 
     def _is_ready(self, rank: RankHandle) -> bool:
         channel = self._channels.get(rank)
-        return channel is not None and channel.ready and rank.exit is None
+        return channel is not None and channel.ready and rank not in self._recorded
 
     # ----------------------------------------------------------- live ranks
 
@@ -259,24 +295,14 @@ class Group(Generic[T]):
         limit = self._supervision.startup_timeout if timeout is None else timeout
         for index in range(len(self._ranks)):
             self._conversation(index)  # every rank has one
-        reading: set[Conversation] = set()
-        async with anyio.create_task_group() as tg:
-            # Supervised meanwhile: a failure ends the wait, a restart is carried out.
-            tg.start_soon(self._supervise)
-            with anyio.move_on_after(math.inf if limit is None else limit) as deadline:
-                while self._root is None and self._shutdown is None:
-                    unready = self._unready()
-                    if not unready and not self._tracker.pending and self._starting is None:
-                        break
-                    if self._over():
-                        break  # and some returned before they were ready
-                    for rank in unready:
-                        conversation = self._channels[rank]
-                        if rank.started and conversation not in reading:
-                            reading.add(conversation)
-                            tg.start_soon(self._read_until_ready, conversation)
-                    await self._changed.wait()
-            tg.cancel_scope.cancel()
+        await checkpoint()
+        with anyio.move_on_after(math.inf if limit is None else limit) as deadline:
+            while self._root is None and self._shutdown is None:
+                if not self._unready() and not self._tracker.pending and self._starting is None:
+                    break
+                if self._over():
+                    break  # and some returned before they were ready
+                await self._changed.wait()
         if self._root is not None or self._shutdown is not None:
             await self._join(0, None, until_all=True)  # raises the group's failure
         unready = self._unready()
@@ -298,19 +324,8 @@ class Group(Generic[T]):
         ]
 
     def _unready(self) -> list[RankHandle]:
-        """The current attempts that have not called ``ready()``, as far as can be read now."""
-        unready = []
-        for rank in self._ranks:
-            conversation = self._channels[rank]
-            if not conversation.ready and rank.exit is not None:
-                conversation.drain()  # it may have said so just before it exited
-            if not conversation.ready:
-                unready.append(rank)
-        return unready
-
-    async def _read_until_ready(self, channel: Conversation) -> None:
-        await channel.wait_ready()
-        self._changed.notify()  # ready, or its stream ended (its exit is due)
+        """The current attempts that have not called ``ready()``."""
+        return [rank for rank in self._ranks if not self._channels[rank].ready]
 
     def _on_ready(self, rank: RankHandle) -> None:
         if rank is self._ranks[rank.rank]:
@@ -320,7 +335,7 @@ class Group(Generic[T]):
     def _on_broken(self, rank: RankHandle, broken: BrokenChannel) -> None:
         """``rank`` sent a frame that breaks the format: it has failed, as a hung rank has."""
         current = rank is self._ranks[rank.rank] and rank not in self._faulty
-        if not current or rank.exit is not None or self._shutdown is not None:
+        if not current or rank in self._recorded or self._shutdown is not None:
             # A past attempt, one whose exit is recorded already, or a group
             # being stopped anyway (as for a hang found then): the channel's
             # readers get the error; the group reports what it reports.
@@ -418,20 +433,21 @@ class Group(Generic[T]):
 
     async def terminate(self, grace_period: float | None) -> None:
         """``AsyncProcessContext.terminate()``, its argument checked."""
-        await self._shut_down(grace_period, after_failure=False)
+        await self._stop(grace_period)
 
     @property
     def in_block(self) -> bool:
-        """True while an ``async with`` block supervises the group."""
-        return self._body is not None
+        """True while an ``async with`` block runs on the group."""
+        return self._block is not None
 
     async def enter_block(self) -> None:
-        """Supervise the group in the background while an ``async with`` block runs."""
-        assert self._body is None
-        body = anyio.create_task_group()
-        await body.__aenter__()
-        body.start_soon(self._supervise)
-        self._body = body
+        """Begin an ``async with`` block: a failure of the group cancels it."""
+        assert self._block is None
+        await checkpoint()
+        self._block = anyio.CancelScope()
+        self._block.__enter__()
+        if self._root is not None:
+            self._block.cancel()
 
     async def exit_block(
         self,
@@ -440,35 +456,211 @@ class Group(Generic[T]):
         tb: TracebackType | None,
     ) -> bool:
         """End the block: as ``join()`` if it ended, else shut down; True to swallow ``exc``."""
-        body, self._body = self._body, None
-        assert body is not None
+        block, self._block = self._block, None
+        assert block is not None
         if exc is None:
             self.close_channels()  # the block is done with the ranks: their serve() returns
         try:
-            if exc is not None and not isinstance(exc, anyio.get_cancelled_exc_class()):
-                # The block raised: stop the ranks and let its exception through,
-                # unwrapped (a task group would put it in an ExceptionGroup).
-                body.cancel_scope.cancel()
-                await body.__aexit__(None, None, None)
-                await self._shut_down(None, after_failure=False)
-                return False
-            ours = await body.__aexit__(exc_type, exc, tb)
+            ours = bool(block.__exit__(exc_type, exc, tb))
         except BaseException:
-            await self._shut_down(None, after_failure=False)
+            await self._stop(None)
             raise
-        if exc is not None and not ours:  # cancelled from outside the block
-            await self._shut_down(None, after_failure=False)
+        if exc is not None and not ours:
+            # The block raised, or was cancelled from outside: stop the ranks
+            # and let its exception through, unwrapped.
+            await self._stop(None)
             return False
         # The block ended, or we cancelled it because a rank failed: finish as
         # join() does, which raises that failure.
         await self.join(None, None)
         return exc is not None
 
+    async def _join(
+        self, timeout: float | None, grace_period: float | None, *, until_all: bool
+    ) -> bool:
+        try:
+            await checkpoint()
+            await self._see_exits()
+            with anyio.move_on_after(math.inf if timeout is None else timeout):
+                # Without until_all, any exit not reported yet is the one to report.
+                while not self._finished() and (
+                    until_all or self._exits_seen == self._exits_reported
+                ):
+                    await self._changed.wait()
+            self._exits_reported = self._exits_seen
+            if self._over() and self._root is None and self._shutdown is None:
+                await self._done.wait()  # released, the launcher closed
+        except BaseException:
+            await self._stop(grace_period)
+            raise
+        if self._root is not None or self._shutdown is not None or self._broken_owner is not None:
+            self._ask_shutdown(grace_period, after_failure=self._root is not None)
+            await self._stop(grace_period)
+            error = self._error()
+            if error is not None:
+                try:
+                    raise error
+                finally:
+                    # The traceback holds this frame: a local bound to the
+                    # exception would keep both alive until the cyclic GC runs.
+                    del error
+        if not self._over():
+            return False
+        await self._collect_results()
+        return True
+
+    async def _see_exits(self) -> None:
+        """Let the owner record the exits that have happened, if it has not yet.
+
+        A rank may have exited a moment ago, its exit fd readable, its watcher
+        not yet scheduled: a ``join(0)`` must still see it, as
+        ``multiprocessing``'s does.
+        """
+        ended = [rank for rank in self._ranks if rank.started and rank.poll() is not None]
+        while not self._done.is_set() and any(rank not in self._recorded for rank in ended):
+            await self._changed.wait()
+
+    async def _collect_results(self) -> None:
+        # One decoding at a time: it lets the pickles go once it has succeeded.
+        while self._results is None:
+            if self._decoding is not None:
+                await self._decoding.wait()
+                continue  # decoded, or failed: then decode (and fail) here too
+            self._decoding = decoding = anyio.Event()
+            try:
+                self._results = await decode_results([rank.exit for rank in self._ranks])
+            finally:
+                self._decoding = None
+                decoding.set()
+
+    async def _stop(self, grace_period: float | None) -> None:
+        """Ask the owner for the shutdown (or hurry it), and wait until it is over; shielded."""
+        self._ask_shutdown(grace_period, after_failure=False)
+        await run_to_completion(self._done.wait)
+
+    def _ask_shutdown(self, grace_period: float | None, *, after_failure: bool) -> None:
+        """Have the owner shut the group down; a ``grace_period`` hurries one under way.
+
+        After a failure, the others may first take the grace period to exit
+        by themselves, as torch's do.
+        """
+        if self._shutdown is not None:
+            if grace_period is not None:
+                self._shutdown.hurry(grace_period)
+            return
+        grace = self._supervision.grace_period if grace_period is None else grace_period
+        self._shutdown = Shutdown(grace, wait_first=after_failure, on_signal=self._signalled)
+        self._drop_pending()
+        if self._first_start is not None:  # the ranks still starting need not start
+            self._first_start.cancel()
+        self._changed.notify()
+
+    # --------------------------------------------------------------- the owner
+
+    async def _own(self) -> None:
+        """Drive the group from the start of its ranks to their last reap.
+
+        Runs whether or not anyone waits on the group. Ends once every rank
+        has been reaped and everything the group holds is released. Cancelled
+        (its event loop ends), it stops and reaps the ranks first.
+        """
+        try:
+            async with anyio.create_task_group() as owned:
+                self._owned = owned
+                await self._start_first()
+                if self._hangs is not None:
+                    owned.start_soon(self._watch_heartbeats, self._hangs)
+                while not self._owner_done():
+                    if self._tracker.pending:
+                        await self._restart()
+                    else:
+                        await self._changed.wait()
+                await self._run_shutdown()
+                owned.cancel_scope.cancel()
+        except BaseException as exc:
+            if not isinstance(exc, anyio.get_cancelled_exc_class()):
+                # A defect of ours: join() raises it; the ranks are stopped.
+                self._broken_owner = exc
+            self._ask_shutdown(None, after_failure=False)
+            await self._run_shutdown()
+            if isinstance(exc, anyio.get_cancelled_exc_class()):
+                raise
+        finally:
+            self._owned = None
+            await run_to_completion(self._close)
+
+    async def _start_first(self) -> None:
+        """Start the ranks; a start error is the group's, for ``Group.start`` to raise."""
+        try:
+            with anyio.CancelScope() as self._first_start:
+                await self._launch(self._ranks)
+        except Exception as exc:
+            self._start_error = exc
+            self._ask_shutdown(None, after_failure=False)
+        finally:
+            self._first_start = None
+            self._started.set()
+        self._watch(self._ranks)
+
+    def _watch(self, ranks: Iterable[RankHandle]) -> None:
+        assert self._owned is not None
+        for rank in ranks:
+            if rank.started:
+                self._owned.start_soon(self._watch_exit, rank)
+                channel = self._channels.get(rank)
+                if channel is not None:
+                    self._owned.start_soon(channel.pump)
+
+    async def _exit_of(self, rank: RankHandle) -> RankExit | None:
+        """Wait until the owner has recorded ``rank``'s exit; None if it never started."""
+        while rank not in self._recorded and not self._done.is_set():
+            await self._changed.wait()
+        return rank.exit
+
+    async def _watch_exit(self, rank: RankHandle) -> None:
+        """Wait for one attempt's exit and record it: the one path of an exit."""
+        self._record_exit(rank, await rank.wait())
+
+    async def _run_shutdown(self) -> None:
+        """Run the shutdown asked for, if any, to the end whatever cancellation comes."""
+        shutdown = self._shutdown
+        if shutdown is None:
+            return
+        started = [rank for rank in self._ranks if rank.started]
+        faulty = [rank for rank in started if rank in self._faulty]
+
+        async def run() -> list[RankHandle]:
+            return await shutdown.run(started, self._watch_exit, at_once=faulty)
+
+        self._stuck += await run_to_completion(run)
+
+    async def _close(self) -> None:
+        try:
+            for rank in self._ranks:  # seen by the shutdown, or by a poll
+                if rank.exit is not None:
+                    self._record_exit(rank, rank.exit)
+            self._release_channels(self._ranks)
+            await self._launcher.aclose()
+        finally:
+            # Nothing more can come, even from a rank stuck in the kernel.
+            self.events.close()
+            if self.capture is not None:
+                self.capture.close()
+            self._done.set()
+            self._changed.notify()
+
     # ------------------------------------------------------------------ exits
 
-    def _on_exit(self, exit: RankExit) -> None:
-        """Record one attempt's exit (called once per attempt, on the loop thread)."""
-        handle = self._ranks[exit.rank]
+    def _record_exit(self, rank: RankHandle, exit: RankExit) -> None:
+        """Record one attempt's exit, once, and act on it."""
+        if rank in self._recorded:
+            return
+        self._recorded.add(rank)
+        channel = self._channels.get(rank)
+        if channel is not None:
+            # Its channel ends with it, even if a process it started holds the
+            # rank's end open: receivers get what it sent, then the end.
+            channel.drain_and_release()
         exited = Exited(
             rank=exit.rank,
             pid=exit.pid,
@@ -480,7 +672,7 @@ class Group(Generic[T]):
         self._last_exits[exit.rank] = exited
         self.events.append(exited)
         self._exits_seen += 1
-        if not exit.stopped_by_us and handle not in self._faulty:
+        if not exit.stopped_by_us and rank not in self._faulty:
             policy = self._supervision.restart
             if not exit.succeeded or (policy is not None and policy.on == "any"):
                 self._failed(exit)
@@ -498,7 +690,7 @@ class Group(Generic[T]):
                 self._root = failure
             return
         now = self._clock()
-        running = {rank.rank for rank in self._ranks if rank.started and rank.exit is None}
+        running = {rank.rank for rank in self._ranks if rank.started and rank not in self._recorded}
         view = GroupView(
             nprocs=len(self._ranks),
             running=frozenset(running),
@@ -534,29 +726,37 @@ class Group(Generic[T]):
         )
 
     def _give_up(self, failure: Failure) -> None:
+        """``failure`` is the group's root cause: the owner shuts the group down."""
         self._root = failure
         self._drop_pending()
-        if self._body is not None:  # an async with block runs: stop it now
-            self._body.cancel_scope.cancel()
+        if not self._failure_waits_for_join:
+            self._ask_shutdown(None, after_failure=True)
+        self._changed.notify()
+        if self._block is not None:  # an async with block runs: stop it now
+            self._block.cancel()
 
     def _drop_pending(self) -> None:
         """Cancel the pending restarts: the slots that wait for one are finished."""
         for index in sorted(self._tracker.pending_slots()):
             rank = self._ranks[index]
-            if rank.exit is not None:
+            if rank in self._recorded:
                 self.events.append(Stopped(rank=index, pid=rank.pid))
         self._tracker.pending.clear()
 
     def _over(self) -> bool:
         """True once no rank runs and none will be started again."""
         return not self._tracker.pending and all(
-            rank.exit is not None
+            rank in self._recorded
             or (self._started.is_set() and self._starting is None and not rank.started)
             for rank in self._ranks
         )
 
     def _finished(self) -> bool:
         return self._root is not None or self._shutdown is not None or self._over()
+
+    def _owner_done(self) -> bool:
+        """True once the owner has nothing left to do but the shutdown (if one is asked)."""
+        return self._shutdown is not None or self._over()
 
     def _close_if_over(self) -> None:
         """End the events and output iterations once nothing more can come."""
@@ -565,97 +765,13 @@ class Group(Generic[T]):
             if self.capture is not None:
                 self.capture.close()
 
-    # ------------------------------------------------------------ supervision
-
-    async def _join(
-        self, timeout: float | None, grace_period: float | None, *, until_all: bool
-    ) -> bool:
-        try:
-            await checkpoint()
-            if self._root is None and self._shutdown is None:
-                exited = self._exits_seen
-                for rank in self._ranks:
-                    rank.poll()
-                # Without until_all, an exit this poll found is the one to report.
-                wait = until_all or self._exits_seen == exited
-                if wait and self._root is None and not self._over() and timeout != 0:
-                    with anyio.move_on_after(math.inf if timeout is None else timeout):
-                        if until_all:
-                            await self._supervise()
-                        else:
-                            await self._supervise_until_an_exit()
-        except BaseException:
-            await self._shut_down(grace_period, after_failure=False)
-            raise
-        if self._root is not None or self._shutdown is not None:
-            await self._shut_down(grace_period, after_failure=self._root is not None)
-            error = self._error()
-            if error is not None:
-                try:
-                    raise error
-                finally:
-                    # The traceback holds this frame: a local bound to the
-                    # exception would keep both alive until the cyclic GC runs.
-                    del error
-        if not self._over():
-            return False
-        self._release_channels(self._ranks)
-        await run_to_completion(self._launcher.aclose)
-        await self._collect_results()
-        return True
-
-    async def _collect_results(self) -> None:
-        # One decoding at a time: it lets the pickles go once it has succeeded.
-        while self._results is None:
-            if self._decoding is not None:
-                await self._decoding.wait()
-                continue  # decoded, or failed: then decode (and fail) here too
-            self._decoding = decoding = anyio.Event()
-            try:
-                self._results = await decode_results([rank.exit for rank in self._ranks])
-            finally:
-                self._decoding = None
-                decoding.set()
-
-    async def _supervise_until_an_exit(self) -> None:
-        exited = self._exits_seen
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self._supervise)
-            while self._exits_seen == exited and not self._finished():
-                await self._changed.wait()
-            tg.cancel_scope.cancel()
-
-    async def _supervise(self) -> None:
-        """Watch the group until it is over or has failed; one task at a time."""
-        await self._supervisor.run(self._finished, self._run_supervisor)
-
-    async def _run_supervisor(self) -> None:
-        async with anyio.create_task_group() as watchers:
-            self._watch(watchers, self._ranks)
-            if self._hangs is not None:
-                watchers.start_soon(self._watch_heartbeats, self._hangs)
-            while not self._finished():
-                if self._tracker.pending:
-                    await self._restart(watchers)
-                else:
-                    await self._changed.wait()
-            watchers.cancel_scope.cancel()
-
-    def _watch(self, watchers: anyio.abc.TaskGroup, ranks: Iterable[RankHandle]) -> None:
-        for rank in ranks:
-            if rank.started and rank.exit is None:
-                watchers.start_soon(rank.wait)
-                channel = self._channels.get(rank)
-                if channel is not None:  # readiness and replies are seen while supervised
-                    watchers.start_soon(channel.read)
-
     # --------------------------------------------------------------- restarts
 
-    async def _restart(self, watchers: anyio.abc.TaskGroup) -> None:
+    async def _restart(self) -> None:
         """Make progress on the pending restarts: stop, back off, start again.
 
         Returns after each step, or when something changed, so that the
-        supervisor looks at the group afresh (a new failure, a shutdown).
+        owner looks at the group afresh (a new failure, a shutdown).
         """
         pending = self._tracker.pending
         stop = [rank for restart in pending for rank in restart.stop]
@@ -666,7 +782,7 @@ class Group(Generic[T]):
             shutdown = Shutdown(
                 self._supervision.grace_period, wait_first=False, on_signal=self._signalled
             )
-            stuck = await run_to_completion(lambda: shutdown.run(stop))
+            stuck = await run_to_completion(lambda: shutdown.run(stop, self._watch_exit))
             if stuck:  # a rank that cannot be reaped cannot be replaced either
                 self._stuck += stuck
                 self._failed_restart(failure, None)
@@ -700,8 +816,8 @@ class Group(Generic[T]):
             pending.remove(first)
             return await self._start_again(first.slots)
 
-        # Started to the end, whoever is cancelled meanwhile: a slot left with
-        # an attempt that never started would read as finished.
+        # Started to the end, whatever is asked meanwhile: a slot left with an
+        # attempt that never started would read as finished.
         try:
             fresh = await run_to_completion(start_again)
         except Exception as exc:
@@ -710,7 +826,7 @@ class Group(Generic[T]):
         if fresh is None:
             return
         self._tracker.restarts += 1
-        self._watch(watchers, fresh)
+        self._watch(fresh)
         self._changed.notify()  # the heartbeat watcher has new ranks to watch
 
     async def _start_again(self, slots: Sequence[int]) -> list[RankHandle]:
@@ -741,7 +857,7 @@ class Group(Generic[T]):
         made: list[RankHandle] = []
         try:
             for index, restart in zip(slots, restarts or [0] * len(slots), strict=True):
-                made.append(self._launcher.make_rank(index, restart, self._on_exit))
+                made.append(self._launcher.make_rank(index, restart))
         except BaseException:
             for rank in made:
                 rank.discard()
@@ -749,7 +865,7 @@ class Group(Generic[T]):
         for rank in made:
             if rank.link is not None:
                 channel = self._channels[rank] = Conversation(
-                    rank, rank.link, self._on_ready, lambda: self._supervisor.busy, self._on_broken
+                    rank, rank.link, self._on_ready, self._on_broken, self._exit_of
                 )
                 if self._channels_closed:
                     channel.close_sending()
@@ -790,8 +906,8 @@ class Group(Generic[T]):
                 with anyio.move_on_after(check.next_check):  # or sooner: ranks (re)started
                     await self._changed.wait()
                 continue
-            # To the end, even if the supervising call is cancelled meanwhile (a
-            # join() timeout): the stack is taken once, and the hang recorded.
+            # To the end, even if the owner is cancelled meanwhile: the stack
+            # is taken once, and the hang recorded.
             overdue = check.hung[0]
             report = functools.partial(self._report_hang, self._ranks[overdue.rank], overdue)
             await run_to_completion(report)
@@ -804,7 +920,7 @@ class Group(Generic[T]):
         watched = []
         for rank in self._ranks:
             started = self._last_starts[rank.rank]
-            if not rank.started or rank.exit is not None or started is None:
+            if not rank.started or rank in self._recorded or started is None:
                 continue
             stopping = rank in self._faulty or rank in self._probing or rank.rank in restarting
             watched.append(
@@ -825,8 +941,8 @@ class Group(Generic[T]):
             stack = await rank.stack(STACK_TIMEOUT)
         finally:
             self._probing.discard(rank)
-        if rank.exit is not None or self._shutdown is not None:
-            return  # it exited meanwhile, and that exit was reported as any other
+        if rank in self._recorded or rank.exit is not None or self._shutdown is not None:
+            return  # it exited meanwhile, and that exit is reported as any other
         self._faulty.add(rank)
         seconds = overdue.seconds
         self.events.append(Hung(rank=rank.rank, pid=pid, seconds=seconds, stack=stack))
@@ -848,45 +964,12 @@ class Group(Generic[T]):
             Terminating(rank=rank.rank, pid=rank.pid, signal_name=signal.Signals(signum).name)
         )
 
-    async def _shut_down(self, grace_period: float | None, *, after_failure: bool) -> None:
-        """Run the group's one shutdown, or wait for the one under way; both shielded.
-
-        A ``grace_period`` given while a shutdown is under way hurries it.
-        """
-        if self._shutdown is not None:
-            if grace_period is not None:
-                self._shutdown.hurry(grace_period)
-            await run_to_completion(self._shutdown_done.wait)
-            return
-        grace = self._supervision.grace_period if grace_period is None else grace_period
-        self._shutdown = shutdown = Shutdown(
-            grace, wait_first=after_failure, on_signal=self._signalled
-        )
-        self._drop_pending()
-        self._changed.notify()  # the supervisor stops: the shutdown takes over
-        done = self._shutdown_done
-
-        async def escalate() -> None:
-            try:
-                await self._started.wait()
-                while self._starting is not None:  # a restart is starting ranks
-                    await self._starting.wait()
-                started = [rank for rank in self._ranks if rank.started]
-                faulty = [rank for rank in started if rank in self._faulty]
-                self._stuck += await shutdown.run(started, at_once=faulty)
-                self._release_channels(self._ranks)
-                await self._launcher.aclose()
-            finally:
-                # Nothing more can come, even from a rank stuck in the kernel.
-                self.events.close()
-                if self.capture is not None:
-                    self.capture.close()
-                done.set()
-
-        await run_to_completion(escalate)
-
-    def _error(self) -> ProcessException | None:
+    def _error(self) -> BaseException | None:
         """The exception ``join()`` raises once the group has been shut down, if any."""
+        if self._broken_owner is not None:
+            error = RuntimeError("aiospawn's supervision of this group failed (a defect)")
+            error.__cause__ = self._broken_owner
+            return error
         # A rank stuck in the kernel may have been released since.
         self._stuck = [rank for rank in self._stuck if rank.poll() is None]
         tracker = self._tracker

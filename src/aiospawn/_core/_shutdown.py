@@ -9,7 +9,8 @@ asked for meanwhile (a second Ctrl-C) hurries it.
 from __future__ import annotations
 
 import signal
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
 
 import anyio
 from anyio.lowlevel import checkpoint
@@ -60,12 +61,18 @@ class Shutdown:
             self._waiting.deadline = min(self._waiting.deadline, self._waiting_since + grace_period)
 
     async def run(
-        self, ranks: Sequence[RankHandle], *, at_once: Sequence[RankHandle] = ()
+        self,
+        ranks: Sequence[RankHandle],
+        wait: Callable[[RankHandle], Coroutine[Any, Any, object]],
+        *,
+        at_once: Sequence[RankHandle] = (),
     ) -> list[RankHandle]:
         """Stop every rank of ``ranks`` that is still running, politely first.
 
         Args:
             ranks: The ranks to stop.
+            wait: Waits for one rank's exit (the group's watch of it, which
+                records the exit; called for the ranks that have not exited).
             at_once: Those of ``ranks`` that get SIGTERM without the first
                 wait: they will not exit by themselves (a hung rank).
 
@@ -73,11 +80,12 @@ class Shutdown:
             The ranks that could not be reaped (stuck in the kernel), already logged.
         """
         await self._terminate(at_once)
-        await self._wait(ranks, lambda: self._first_wait)
-        live = [rank for rank in ranks if rank.poll() is None]
+        await self._wait(ranks, wait, lambda: self._first_wait)
+        live = [rank for rank in ranks if rank.exit is None]
+        # A rank that exited meanwhile is not signalled (send_signal checks).
         await self._terminate([rank for rank in live if rank not in at_once])
-        await self._wait(live, lambda: self._term_wait)
-        live = [rank for rank in live if rank.poll() is None]
+        await self._wait(live, wait, lambda: self._term_wait)
+        live = [rank for rank in live if rank.exit is None]
         for rank in live:
             if rank.send_signal(signal.SIGKILL):
                 self._on_signal(rank, signal.SIGKILL)
@@ -92,8 +100,8 @@ class Shutdown:
                 )
             await checkpoint()
         with anyio.move_on_after(REAP_TIMEOUT):
-            await _wait_for_exits(live)
-        stuck = [rank for rank in live if rank.poll() is None]
+            await _wait_for_exits(live, wait)
+        stuck = [rank for rank in live if rank.exit is None]
         for rank in stuck:
             logger.error(
                 "Process %s (rank %d) did not exit %g s after SIGKILL; it is probably in"
@@ -114,11 +122,16 @@ class Shutdown:
                 )
             await checkpoint()  # signalling many ranks takes a while: let the loop breathe
 
-    async def _wait(self, ranks: Sequence[RankHandle], seconds: Callable[[], float]) -> None:
+    async def _wait(
+        self,
+        ranks: Sequence[RankHandle],
+        wait: Callable[[RankHandle], Coroutine[Any, Any, object]],
+        seconds: Callable[[], float],
+    ) -> None:
         """Wait for ``ranks`` to exit, at most ``seconds()``, read now and on each hurry."""
         self._waiting_since = anyio.current_time()
         with anyio.move_on_after(seconds()) as self._waiting:
-            await _wait_for_exits(ranks)
+            await _wait_for_exits(ranks, wait)
         self._waiting = None
 
 
@@ -127,8 +140,10 @@ def seconds_text(seconds: float) -> str:
     return f"{seconds:.1f}" if seconds < 10 else f"{seconds:.0f}"
 
 
-async def _wait_for_exits(ranks: Sequence[RankHandle]) -> None:
+async def _wait_for_exits(
+    ranks: Sequence[RankHandle], wait: Callable[[RankHandle], Coroutine[Any, Any, object]]
+) -> None:
     async with anyio.create_task_group() as tg:
         for rank in ranks:
-            if rank.poll() is None:
-                tg.start_soon(rank.wait)
+            if rank.exit is None:
+                tg.start_soon(wait, rank)

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 from anyio.lowlevel import checkpoint
 
-from aiospawn._core._backend import OnExit, raise_start_error
+from aiospawn._core._backend import raise_start_error
 from aiospawn._core._capture import CaptureBuffer
 from aiospawn._core._env import free_port, rank_environment, torchrun_environment
 from aiospawn._core._spec import LaunchSpec, dumps_payload, interactive_main
@@ -94,7 +94,7 @@ class LocalLauncher:
         self._fresh_port = True
         self._log_dirs = open_log_dirs(spec.output)
 
-    def make_rank(self, index: int, restart: int, on_exit: OnExit) -> LocalRank:
+    def make_rank(self, index: int, restart: int) -> LocalRank:
         """Create (without starting) attempt number ``restart`` of rank ``index``.
 
         Raises:
@@ -171,7 +171,6 @@ class LocalLauncher:
             output,
             # Both get the exit status from the rank's parent, not from waitpid().
             exit_via_sentinel=spec.start_method == "forkserver" or warm,
-            on_exit=on_exit,
             progress=progress,
             link=SocketLink(link[0]),
             link_end=link[1],

@@ -25,7 +25,6 @@ from multiprocessing.process import BaseProcess
 
 import anyio
 
-from aiospawn._core._backend import OnExit
 from aiospawn._core._concurrency import SingleWatcher
 from aiospawn._core._outcome import RankExit
 from aiospawn._rank import descendants
@@ -55,7 +54,6 @@ class LocalRank:
             Under ``forkserver`` the server reaps the rank and sends the exit
             status through the sentinel, so a pidfd would wake us before the
             status can be read.
-        on_exit: Called once, on the event-loop thread, with the rank's exit.
         progress: The rank's heartbeat slot and stack channel, when the
             group watches heartbeats.
         link: Our end of the rank's channel; ``link_end`` is the rank's,
@@ -71,7 +69,6 @@ class LocalRank:
         output: RankOutput,
         *,
         exit_via_sentinel: bool,
-        on_exit: OnExit,
         progress: RankProgress | None = None,
         link: SocketLink | None = None,
         link_end: ChildEnd | None = None,
@@ -82,7 +79,6 @@ class LocalRank:
         self._writer: ChildEnd | None = writer
         self._output = output
         self._exit_via_sentinel = exit_via_sentinel
-        self._on_exit = on_exit
         self._progress = progress
         self.link = link
         self._link_end = link_end
@@ -355,4 +351,3 @@ class LocalRank:
         if self._progress is not None:
             self._progress.close()
         self._release_sentinel()
-        self._on_exit(self._exit)

@@ -40,7 +40,7 @@ from typing import Any
 import anyio
 from anyio.lowlevel import checkpoint
 
-from aiospawn._core._backend import OnExit, raise_start_error
+from aiospawn._core._backend import raise_start_error
 from aiospawn._core._concurrency import run_to_completion
 from aiospawn._core._env import rank_environment, torchrun_environment
 from aiospawn._core._spec import LaunchSpec
@@ -239,12 +239,10 @@ class RayLauncher:
         addresses = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
         return layout(bundle_nodes, addresses)
 
-    def make_rank(self, index: int, restart: int, on_exit: OnExit) -> RayRank:
+    def make_rank(self, index: int, restart: int) -> RayRank:
         """Create, without starting, attempt number ``restart`` of rank ``index``."""
         link = RayLink(self._board, self._token, f"{index}.{restart}")
-        return RayRank(
-            index, restart, on_exit, ray=self.ray, post=self.send, forget=self._forget, link=link
-        )
+        return RayRank(index, restart, ray=self.ray, post=self.send, forget=self._forget, link=link)
 
     async def start(self, ranks: Sequence[RayRank]) -> None:
         """Start ``ranks`` together; return once each has been handed ``fn``.

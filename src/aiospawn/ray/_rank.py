@@ -23,7 +23,6 @@ from typing import Any
 import anyio
 from anyio.lowlevel import checkpoint
 
-from aiospawn._core._backend import OnExit
 from aiospawn._core._concurrency import SingleWatcher
 from aiospawn._core._outcome import RankExit
 from aiospawn._rank.wire import Kind, encode_exception
@@ -41,7 +40,6 @@ class RayRank:
     Args:
         index: The rank.
         restart: The attempt number.
-        on_exit: Called once with the attempt's exit.
         ray: The ``ray`` module (imported by the launcher, never here).
         post: Posts a signal for the rank's process on the group's board,
             ``post(key, signum)``.
@@ -53,7 +51,6 @@ class RayRank:
         self,
         index: int,
         restart: int,
-        on_exit: OnExit,
         *,
         ray: Any,
         post: Callable[[str, int], None],
@@ -66,7 +63,6 @@ class RayRank:
         self.rank = index
         self.link = link
         self.restart = restart
-        self._on_exit = on_exit
         self._key = f"{index}.{restart}"
         self.actor: Any = None
         self._future: Future[Any] | None = None
@@ -212,7 +208,6 @@ class RayRank:
         with contextlib.suppress(Exception):
             ray.kill(self.actor, no_restart=True)
         self._forget(self._key)
-        self._on_exit(self._exit)
 
     def _where(self) -> str:
         if self._node is None:
