@@ -35,11 +35,14 @@ class AsyncProcessContext(Generic[T]):
 
     Made by ``start_processes(..., join=False)``, ``spawn(..., join=False)`` and
     ``open_group()``; not constructed directly. Every method may be called from
-    several tasks at once: one watcher per rank does the waiting, the others
-    share what it sees.
+    several tasks at once. The group's owner, a task of the event loop,
+    supervises the group from its start to its last reap whether or not anyone
+    awaits it; the methods wait for what it does. It ends with the event loop
+    at the latest, after stopping and reaping every rank.
 
-    ``async with ctx:`` supervises the group for the duration of the block,
-    as :func:`aiospawn.open_group` describes.
+    ``async with ctx:`` ties the group to a block: a failure cancels the
+    block, and the block's end waits for the group, as
+    :func:`aiospawn.open_group` describes.
     """
 
     def __init__(self, token: object, group: Group[T]) -> None:
@@ -87,8 +90,7 @@ class AsyncProcessContext(Generic[T]):
         Each item is an ``OutputLine(rank, stream, line)``, the line without its
         newline. Lines of one rank and stream keep their order. Iteration ends
         once every rank has exited and its last lines were delivered. Lines are
-        read while the group is supervised: iterate alongside ``join()``, in an
-        ``async with`` block, or around ``terminate()``. Up to 10,000 lines
+        read as they are written, whether or not anyone awaits the group. Up to 10,000 lines
         are held: while an iteration is attached, a rank that writes faster
         than it reads is held back (its writes block) until it catches up;
         while nobody iterates, the oldest lines are dropped instead, so a rank
@@ -113,8 +115,8 @@ class AsyncProcessContext(Generic[T]):
         ``Restarting``, ``Terminating``, ``Stopped``) with the rank, its pid, a
         ``time.monotonic()`` and a ``time.time()`` timestamp. Iteration ends
         after every rank's ``Stopped``. Any number of tasks may iterate at
-        once, each at its own pace. Events are produced while the group is
-        supervised (``join()``, an ``async with`` block, ``terminate()``).
+        once, each at its own pace. Events come as they happen, whether or not
+        anyone awaits the group.
 
         The group holds its newest 10,000 events and never waits for a
         consumer: one that falls further behind gets an ``EventsLost(count)``
@@ -145,7 +147,7 @@ class AsyncProcessContext(Generic[T]):
     async def wait_ready(self, timeout: float | None = None) -> list[Any]:
         """Wait until every rank has called ``aiospawn.ready()``; return their payloads.
 
-        The group is supervised meanwhile, as in ``join()``: a rank that fails
+        The group goes on being supervised meanwhile: a rank that fails
         before it is ready fails the wait with its exception (the ranks are
         shut down first), and a rank restarted by the group's ``restart``
         policy counts once its new attempt is ready.
