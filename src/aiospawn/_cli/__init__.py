@@ -16,8 +16,9 @@ One command, four steps, one module each: ``_parse`` (the flag table, with
 line read beside ours) -> ``_plan`` (a checked command line) -> ``_run``
 (supervision and signals, with ``_status``, the live status line) -> ``_report``
 (the summary and the exit status) and ``_errorfile`` (torchrun's error file);
-``_streams`` makes a closed output pipe end the launcher as it ends other tools. What each rank runs lives in
-``aiospawn._rank.programs``, which a rank imports instead of this package.
+``_streams`` makes a closed output pipe end the launcher as it ends other tools.
+What each rank runs lives in ``aiospawn._rank.programs``, which a rank imports
+instead of this package.
 
 Import rule: this package may import ``aiospawn`` (its public API), anyio, the
 standard library, ``aiospawn._core`` and ``aiospawn._rank``; nothing imports it
