@@ -7,6 +7,7 @@ status, the order of its lines, a rank's own view) is in ``test_cli.py``.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import aiospawn
-from aiospawn._cli._parse import UsageError, parse
+from aiospawn._cli._parse import UsageError, parse, parser
 from aiospawn._cli._plan import Plan
 from aiospawn._core._spec import max_nprocs
 from aiospawn._rank.programs import rank_script
@@ -44,6 +45,49 @@ def test_version_after_run_prints_the_version(capsys: pytest.CaptureFixture[str]
 def test_version_after_the_target_is_the_targets() -> None:
     options = parse(["run", "script.py", "--version"])
     assert options.args == ["--version"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "tee", "target", "args"),
+    [
+        # torchrun's value, or aiospawn's bare flag when the next word is no value.
+        (["--tee", "3", "x.py"], "Std(3, {})", "x.py", []),
+        (["-t", "0:3,1:1", "x.py"], "Std(0, {0: 3, 1: 1})", "x.py", []),
+        (["--tee=2", "x.py"], "Std(2, {})", "x.py", []),
+        (["--tee", "x.py", "3"], "files", "x.py", ["3"]),
+        (["-t"], "files", None, []),
+        # An option's value that reads as a word is never taken for TARGET.
+        (["--role", "worker", "--tee", "x.py"], "files", "x.py", []),
+        (["--log-dir", "logs", "-t", "x.py"], "files", "x.py", []),
+        # After TARGET, -t and --tee are the target's.
+        (["x.py", "--tee", "3"], None, "x.py", ["--tee", "3"]),
+        (["--tee", "--", "x.py", "-t"], "files", "x.py", ["-t"]),
+    ],
+    ids=lambda value: " ".join(value) if isinstance(value, list) else None,
+)
+def test_tee_takes_torchruns_value_or_none(
+    argv: list[str], tee: str | None, target: str | None, args: list[str]
+) -> None:
+    options = parse(["run", *argv])
+    assert (None if options.tee is None else str(options.tee)) == tee
+    assert options.target == target
+    assert options.args == args
+
+
+def test_every_option_of_run_that_takes_a_value_is_known_to_the_tee_reading() -> None:
+    # The launcher learns them from what add_argument returned; argparse's own
+    # list (private, read here only) says whether a declaration slipped past.
+    top, takes_value = parser()
+    (commands,) = (a for a in top._actions if isinstance(a, argparse._SubParsersAction))
+    run = commands.choices["run"]
+    declared = {
+        option
+        for action in run._actions
+        if action.option_strings and action.nargs is None
+        for option in action.option_strings
+    }
+    assert "--nproc_per_node" in declared
+    assert takes_value == declared
 
 
 def test_a_fn_module_that_raises_at_import_is_explained_in_a_sentence(

@@ -11,12 +11,14 @@ status) is the docs' command-line page (``docs/cli.md``) and ``aiospawn run
       └── ...                          ─ --no-python: program as a child process, in the
                                          rank's process group; its exit status becomes the rank's
 
-One command, four steps, one module each: ``_parse`` (the flags, torchrun's
-spellings) -> ``_plan`` (a checked command line) -> ``_run`` (supervision and
-signals, with ``_status``, the live status line) -> ``_report`` (the summary
-and the exit status) and ``_errorfile`` (torchrun's error file); ``_streams`` makes a closed
-output pipe end the launcher as it ends other tools. What each rank runs lives in
-``aiospawn._rank.programs``, which a rank imports instead of this package.
+One command, four steps, one module each: ``_parse`` (the flag table, with
+``_values``, each option's value checked, and ``_torchrun``, torchrun's command
+line read beside ours) -> ``_plan`` (a checked command line) -> ``_run``
+(supervision and signals, with ``_status``, the live status line) -> ``_report``
+(the summary and the exit status) and ``_errorfile`` (torchrun's error file);
+``_streams`` makes a closed output pipe end the launcher as it ends other tools.
+What each rank runs lives in ``aiospawn._rank.programs``, which a rank imports
+instead of this package.
 
 Import rule: this package may import ``aiospawn`` (its public API), anyio, the
 standard library, ``aiospawn._core`` and ``aiospawn._rank``; nothing imports it

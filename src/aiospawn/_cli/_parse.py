@@ -1,41 +1,47 @@
-"""The command line of ``aiospawn``: its flags, their checks, and its usage errors.
+"""The command line of ``aiospawn``: its flags, and its usage errors.
 
-(About 600 lines, most of them the flag declarations and their help, which
-are the command's reference; splitting them would scatter one table.)
+Most of this module is one table, the flag declarations and their help, which
+are the command's reference (``aiospawn run --help``); splitting it would
+scatter that table.
 
 :func:`parse` reads the command line into an :class:`argparse.Namespace`;
-the type functions here check one value each, and :class:`UsageError` carries
-any complaint out as one line on stderr with exit status 2, before anything starts.
-
-torchrun's spellings are accepted beside ours (``--nproc-per-node`` and
-``--nproc_per_node`` for ``--nprocs``, ...), so that a torchrun command line
-usually runs with only the program name changed; its rendezvous flags, which
-have no meaning here, parse too, so that :mod:`._plan` can refuse them with a
-message instead of argparse's "unrecognized arguments". The docs' table
-``docs/cli-torchrun.md`` lists what each one does.
+each option's value is checked by its type function in :mod:`._values`, and
+:class:`UsageError` carries any complaint out as one line on stderr with exit
+status 2, before anything starts. torchrun's command line is accepted beside
+ours: its spellings, its stream choices and its rendezvous flags come from
+:mod:`._torchrun`, which says how.
 """
 
 from __future__ import annotations
 
 import argparse
-import difflib
-import os
-import re
-import signal
 import sys
-from collections.abc import Sequence
-from typing import ClassVar, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 import aiospawn
-from aiospawn._core._env import visible_devices
-from aiospawn._core._spec import check_seconds
+
+from ._torchrun import RENDEZVOUS_FLAGS, attach_tee_values, spellings, std, tee
+from ._values import (
+    count,
+    device_list,
+    env_pair,
+    module_list,
+    nprocs,
+    positive_seconds,
+    rank_list,
+    seconds,
+    signal_list,
+    stream_mode,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 __all__ = [
     "EPILOG",
     "PROG",
     "SHUTDOWN_SIGNALS",
-    "STREAM_MODES",
-    "Std",
+    "STATUS_RANKS",
     "UsageError",
     "parse",
     "parser",
@@ -44,12 +50,10 @@ __all__ = [
 #: Signals that make the launcher shut the ranks down.
 SHUTDOWN_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
 
-STREAM_MODES = ("prefix", "inherit", "devnull")
-
-#: ``--tee`` alone, aiospawn's older spelling: tee every stream that goes to files.
-TEE_FILES = "files"
-
 PROG = "aiospawn"
+
+#: More ranks than this get the status line by default on a terminal.
+STATUS_RANKS = 4
 
 
 class UsageError(Exception):
@@ -63,77 +67,53 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ``--version`` and ``--help`` print and exit 0, as argparse does.
     """
     args = list(sys.argv[1:] if argv is None else argv)
-    top = parser()
+    top, takes_value = parser()
     if not args:
         top.print_usage(sys.stderr)
         raise SystemExit(2)
-    return top.parse_args(_tee_values(args, top))
+    if args[0] == "run":
+        args = [args[0], *attach_tee_values(args[1:], takes_value)]
+    return top.parse_args(args)
 
 
-def _tee_values(args: list[str], top: argparse.ArgumentParser) -> list[str]:
-    """Spell ``-t``/``--tee`` with its value attached, before argparse sees it.
+class _Container(Protocol):
+    """A parser, or one of its argument groups."""
 
-    torchrun's ``--tee`` takes a value (``3``, ``0:3,1:1``), aiospawn's takes
-    none; a value is the next word only if it reads as one, so ``--tee
-    script.py`` stays a bare ``--tee``. Only the options before TARGET are
-    looked at: what follows it is the target's.
+    def add_argument(self, *names: str, **options: Any) -> argparse.Action: ...
+
+
+class _Kept:
+    """Declares options on a parser or one of its groups, and keeps their actions.
+
+    argparse documents that ``add_argument`` returns the option's
+    :class:`argparse.Action`, but not where a parser keeps them (``_actions``,
+    private): which options take a value is read from what it returned.
     """
-    if not args or args[0] != "run":
-        return args
-    # argparse's own tables (stable since Python 3.2) say which options take a
-    # value, so that an option's value is never mistaken for TARGET.
-    run = _run_parser(top)
-    takes_value = {
-        option
-        for action in run._actions
-        if action.nargs is None and action.option_strings
-        for option in action.option_strings
-    }
-    out = [args[0]]
-    index = 1
-    while index < len(args):
-        word = args[index]
-        index += 1
-        if word in ("-t", "--tee"):
-            if index < len(args) and STD_PATTERN.fullmatch(args[index]):
-                out.append(f"--tee={args[index]}")
-                index += 1
-            else:
-                out.append(f"--tee={TEE_FILES}")
-            continue
-        out.append(word)
-        if word == "--" or not word.startswith("-"):
-            break  # TARGET: the rest is its own
-        if word in takes_value and index < len(args):
-            out.append(args[index])
-            index += 1
-    return out + args[index:]
+
+    def __init__(self, where: _Container, kept: list[argparse.Action]) -> None:
+        self._where = where
+        self._kept = kept
+
+    def add_argument(self, *names: str, **options: Any) -> None:
+        self._kept.append(self._where.add_argument(*names, **options))
 
 
-def _run_parser(top: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    for action in top._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            found: argparse.ArgumentParser = action.choices["run"]
-            return found
-    raise AssertionError("the run command is missing")
-
-
-def parser() -> argparse.ArgumentParser:
-    """The ``aiospawn`` parser, with its ``run`` command."""
+def parser() -> tuple[argparse.ArgumentParser, frozenset[str]]:
+    """The ``aiospawn`` parser, and the option strings of ``run`` that take a value."""
 
     class Parser(argparse.ArgumentParser):
         def error(self, message: str) -> NoReturn:
             raise UsageError(message)
 
-    parser = Parser(
+    top = Parser(
         prog=PROG,
         description="Run a Python script, module, function or any program as N ranks,"
         " supervised by aiospawn.",
     )
     version = f"{PROG} {aiospawn.__version__}"
-    parser.add_argument("--version", action="version", version=version)
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    run = commands.add_parser(
+    top.add_argument("--version", action="version", version=version)
+    commands = top.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    run_parser = commands.add_parser(
         "run",
         help="run a target as N ranks",
         description="Run TARGET as N ranks, each in a process of its own, supervised by\n"
@@ -143,49 +123,51 @@ def parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    kept: list[argparse.Action] = []
+    run = _Kept(run_parser, kept)
     # After "run" too: that is where a user who just read "aiospawn run --help" types it.
     run.add_argument("--version", action="version", version=version)
     run.add_argument(
-        *_spellings("-n", "--nprocs", "--nproc-per-node"),
+        *spellings("-n", "--nprocs", "--nproc-per-node"),
         dest="nprocs",
-        type=_nprocs,
+        type=nprocs,
         default=1,
         metavar="N",
         help="number of ranks; 'cpu' for one per CPU, 'gpu' for one per visible GPU, 'auto'"
         " for one per visible GPU if there is any, else one per CPU (default: 1)",
     )
     run.add_argument(
-        *_spellings("--start-method"),
+        *spellings("--start-method"),
         choices=("spawn", "forkserver", "fork"),
         default="spawn",
         help="how rank processes are made (default: spawn)",
     )
     run.add_argument(
-        *_spellings("--run-path"),
+        *spellings("--run-path"),
         action="store_true",
         help="torchrun's: run the script in the rank's interpreter (what aiospawn always does)",
     )
 
-    shutdown = run.add_argument_group("shutdown and restarts")
+    shutdown = _Kept(run_parser.add_argument_group("shutdown and restarts"), kept)
     shutdown.add_argument(
         "--grace-period",
-        type=_seconds,
+        type=seconds,
         default=None,
         metavar="SECONDS",
         help="after a failure, how long the other ranks may take to exit, and the wait from"
         " SIGTERM to SIGKILL (default: no wait after a failure, 30 s to SIGKILL)",
     )
     shutdown.add_argument(
-        *_spellings("--shutdown-timeout"),
-        type=_seconds,
+        *spellings("--shutdown-timeout"),
+        type=seconds,
         default=None,
         metavar="SECONDS",
         help="torchrun's: the wait from SIGTERM to SIGKILL; as --grace-period (default:"
         " $TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30)",
     )
     shutdown.add_argument(
-        *_spellings("--signals-to-handle"),
-        type=_signal_list,
+        *spellings("--signals-to-handle"),
+        type=signal_list,
         default=None,
         metavar="SIGNALS",
         help="signals that stop the run, comma-separated (default:"
@@ -193,15 +175,15 @@ def parser() -> argparse.ArgumentParser:
         " then have the shutdown timeout to exit (SIGUSR1 for SLURM preemption)",
     )
     shutdown.add_argument(
-        *_spellings("--max-restarts"),
-        type=_count,
+        *spellings("--max-restarts"),
+        type=count,
         default=0,
         metavar="N",
         help="restart ranks when one fails, up to N times (default 0)",
     )
     shutdown.add_argument(
         "--restart-window",
-        type=_seconds,
+        type=seconds,
         default=None,
         metavar="SECONDS",
         help="count only the restarts of the last SECONDS (default: all)",
@@ -215,7 +197,7 @@ def parser() -> argparse.ArgumentParser:
     )
     shutdown.add_argument(
         "--restart-backoff",
-        type=_seconds,
+        type=seconds,
         default=None,
         metavar="SECONDS",
         help="wait before the first restart, doubled for each quick restart after it, at"
@@ -223,7 +205,7 @@ def parser() -> argparse.ArgumentParser:
     )
     shutdown.add_argument(
         "--heartbeat-timeout",
-        type=_positive_seconds,
+        type=positive_seconds,
         default=None,
         metavar="SECONDS",
         help="a rank that called aiospawn.heartbeat() and then goes SECONDS without it is"
@@ -231,31 +213,31 @@ def parser() -> argparse.ArgumentParser:
     )
     shutdown.add_argument(
         "--startup-timeout",
-        type=_positive_seconds,
+        type=positive_seconds,
         default=None,
         metavar="SECONDS",
         help="a rank that has not called aiospawn.heartbeat() SECONDS after it started is hung",
     )
 
-    output = run.add_argument_group("output")
+    output = _Kept(run_parser.add_argument_group("output"), kept)
     for stream in ("stdout", "stderr"):
         output.add_argument(
             f"--{stream}",
-            type=_stream_mode,
+            type=stream_mode,
             default=None,
             metavar="MODE",
             help=f"prefix, inherit, devnull or a directory (files rankN.{stream}); default:"
             " prefix with more than one rank, else inherit",
         )
     output.add_argument(
-        *_spellings("--log-dir"),
+        *spellings("--log-dir"),
         default=None,
         metavar="DIR",
         help="both streams to files in DIR; with -r or -t, only where their files go",
     )
     output.add_argument(
-        *_spellings("-r", "--redirects"),
-        type=_std,
+        *spellings("-r", "--redirects"),
+        type=std,
         default=None,
         metavar="STD",
         help="torchrun's: streams to files in --log-dir: 0 none, 1 stdout, 2 stderr, 3 both;"
@@ -264,15 +246,15 @@ def parser() -> argparse.ArgumentParser:
     output.add_argument(
         "-t",
         "--tee",
-        type=_tee,
+        type=tee,
         default=None,
         metavar="STD",
         help="streams to files and the terminal, as for -r; alone: tee every stream that goes"
         " to files",
     )
     output.add_argument(
-        *_spellings("--local-ranks-filter"),
-        type=_rank_list,
+        *spellings("--local-ranks-filter"),
+        type=rank_list,
         default=None,
         metavar="RANKS",
         help="show only these ranks' output on the terminal, e.g. 0 or 0,3 (files are"
@@ -289,11 +271,11 @@ def parser() -> argparse.ArgumentParser:
         "-v", "--verbose", action="store_true", help="print a summary after a successful run"
     )
 
-    ranks = run.add_argument_group("each rank's environment")
+    ranks = _Kept(run_parser.add_argument_group("each rank's environment"), kept)
     ranks.add_argument(
         "--env",
         action="append",
-        type=_env_pair,
+        type=env_pair,
         default=[],
         metavar="KEY[=VALUE]",
         help="set a variable in every rank (repeatable); KEY alone: its value here, which keeps"
@@ -301,7 +283,7 @@ def parser() -> argparse.ArgumentParser:
     )
     ranks.add_argument(
         "--preload",
-        type=_module_list,
+        type=module_list,
         default=None,
         metavar="MODULES",
         help="comma-separated modules (torch,mypkg.model) imported once in a template"
@@ -309,7 +291,7 @@ def parser() -> argparse.ArgumentParser:
     )
     ranks.add_argument(
         "--devices-per-rank",
-        type=_count,
+        type=count,
         default=None,
         metavar="N",
         help="give each rank N devices of its own in CUDA_VISIBLE_DEVICES (0: none); on Ray,"
@@ -317,13 +299,13 @@ def parser() -> argparse.ArgumentParser:
     )
     ranks.add_argument(
         "--devices",
-        type=_device_list,
+        type=device_list,
         default=None,
         metavar="IDS",
         help="the devices to share out, e.g. 0,1,2,3 (default: the visible ones)",
     )
     ranks.add_argument(
-        *_spellings("--virtual-local-rank"),
+        *spellings("--virtual-local-rank"),
         action="store_true",
         help="torchrun's: LOCAL_RANK=0 in every rank, each with one device of its own",
     )
@@ -331,13 +313,13 @@ def parser() -> argparse.ArgumentParser:
         "--role", default="default", metavar="NAME", help="ROLE_NAME, and the line prefix"
     )
     ranks.add_argument(
-        *_spellings("--run-id", "--rdzv-id"),
+        *spellings("--run-id", "--rdzv-id"),
         default=None,
         metavar="ID",
         help="TORCHELASTIC_RUN_ID (default: a new random id)",
     )
 
-    ray = run.add_argument_group("on a Ray cluster")
+    ray = _Kept(run_parser.add_argument_group("on a Ray cluster"), kept)
     ray.add_argument(
         "--ray",
         default=None,
@@ -352,30 +334,17 @@ def parser() -> argparse.ArgumentParser:
         help="how the ranks spread over Ray's nodes (default PACK)",
     )
 
-    single = run.add_argument_group(
-        "torchrun's rendezvous (one machine, or --ray: accepted as they say so, else refused)"
+    single = _Kept(
+        run_parser.add_argument_group(
+            "torchrun's rendezvous (one machine, or --ray: accepted as they say so, else refused)"
+        ),
+        kept,
     )
     single.add_argument("--standalone", action="store_true", help="accepted: what aiospawn does")
-    for name, metavar in (
-        ("--nnodes", "1"),
-        ("--node-rank", "0"),
-        ("--master-addr", "HOST"),
-        ("--master-port", "PORT"),
-        ("--monitor-interval", "SECONDS"),
-        ("--rdzv-backend", "NAME"),
-        ("--rdzv-endpoint", "HOST:PORT"),
-        ("--rdzv-conf", "CONF"),
-        ("--local-addr", "HOST"),
-        ("--logs-specs", "NAME"),
-        ("--duplicate-stdout-filters", "TEXT"),
-        ("--duplicate-stderr-filters", "TEXT"),
-        ("--numa-binding", "MODE"),
-    ):
-        single.add_argument(
-            *_spellings(name), default=None, metavar=metavar, help=argparse.SUPPRESS
-        )
+    for name, metavar in RENDEZVOUS_FLAGS:
+        single.add_argument(*spellings(name), default=None, metavar=metavar, help=argparse.SUPPRESS)
 
-    kind = run.add_mutually_exclusive_group()
+    kind = _Kept(run_parser.add_mutually_exclusive_group(), kept)
     kind.add_argument(
         "-m", "--module", action="store_true", help="TARGET is a module, run as python -m does"
     )
@@ -385,110 +354,14 @@ def parser() -> argparse.ArgumentParser:
         help="TARGET is module:function, called as function(rank, *ARGS)",
     )
     kind.add_argument(
-        *_spellings("--no-python"), action="store_true", help="TARGET is any program, run as it is"
+        *spellings("--no-python"), action="store_true", help="TARGET is any program, run as it is"
     )
     run.add_argument("target", nargs="?", metavar="TARGET", help="script.py, module, or program")
     run.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="passed to TARGET")
-    return parser
-
-
-def _spellings(*names: str) -> list[str]:
-    """Each option name, and torchrun's underscore spelling of it where that differs."""
-    spelled = []
-    for name in names:
-        spelled.append(name)
-        if name.startswith("--") and "-" in name[2:]:
-            spelled.append("--" + name[2:].replace("-", "_"))
-    return spelled
-
-
-#: More ranks than this get the status line by default on a terminal.
-STATUS_RANKS = 4
-
-#: torchrun's Std values: one for all ranks (``3``), or per rank (``0:3,1:1``).
-STD_PATTERN = re.compile(r"[0-3]|\d+:[0-3](,\d+:[0-3])*")
-
-
-class Std:
-    """A torchrun stream choice: 0 none, 1 stdout, 2 stderr, 3 both; per rank or for all."""
-
-    NAMES: ClassVar[dict[int, str]] = {1: "stdout", 2: "stderr"}
-
-    def __init__(self, default: int, per_rank: dict[int, int]) -> None:
-        self.default = default
-        self.per_rank = per_rank
-
-    def streams(self, rank: int) -> frozenset[str]:
-        """The streams this choice names for ``rank``."""
-        value = self.per_rank.get(rank, self.default)
-        return frozenset(name for bit, name in self.NAMES.items() if value & bit)
-
-    def __repr__(self) -> str:
-        return f"Std({self.default}, {self.per_rank})"
-
-
-def _std(text: str) -> Std:
-
-    if not STD_PATTERN.fullmatch(text):
-        raise argparse.ArgumentTypeError(
-            f"wants 0, 1, 2 or 3 (none, stdout, stderr, both), or per rank as 0:3,1:1; got {text!r}"
-        )
-    if ":" not in text:
-        return Std(int(text), {})
-    per_rank: dict[int, int] = {}
-    for item in text.split(","):
-        rank, _, value = item.partition(":")
-        if int(rank) in per_rank:
-            raise argparse.ArgumentTypeError(f"names rank {int(rank)} twice: {text!r}")
-        per_rank[int(rank)] = int(value)
-    # torchrun: a rank the map leaves out gets 0 (nothing).
-    return Std(0, per_rank)
-
-
-def _tee(text: str) -> Std | str:
-
-    return TEE_FILES if text == TEE_FILES else _std(text)
-
-
-def _rank_list(text: str) -> frozenset[int]:
-
-    items = text.split(",")
-    if not all(item.strip().isdigit() for item in items):
-        raise argparse.ArgumentTypeError(f"wants ranks such as 0 or 0,3, got {text!r}")
-    return frozenset(int(item) for item in items)
-
-
-def _device_list(text: str) -> list[str]:
-
-    items = [item.strip() for item in text.split(",")]
-    if not all(items):
-        raise argparse.ArgumentTypeError(f"wants device ids such as 0,1,2,3, got {text!r}")
-    return items
-
-
-def _signal_list(text: str) -> list[signal.Signals]:
-
-    signums: list[signal.Signals] = []
-    for item in text.split(","):
-        name = item.strip().upper()
-        if name and not name.startswith("SIG"):
-            name = "SIG" + name
-        value = getattr(signal, name, None)
-        if not isinstance(value, signal.Signals) or value in (signal.SIGKILL, signal.SIGSTOP):
-            raise argparse.ArgumentTypeError(
-                f"wants signal names such as SIGTERM,SIGUSR1 (not SIGKILL or SIGSTOP),"
-                f" got {item.strip()!r}"
-            )
-        signums.append(value)
-    return signums
-
-
-def _positive_seconds(text: str) -> float:
-
-    value = _seconds(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError("wants more than 0 seconds")
-    return value
+    takes_value = frozenset(
+        option for action in kept if action.nargs is None for option in action.option_strings
+    )
+    return top, takes_value
 
 
 EPILOG = """\
@@ -521,100 +394,3 @@ exit status:
   or 1 if it raised; 2 for bad usage. Failures end with a summary on stderr.
   If the launcher's output pipe closes (| head), it dies of SIGPIPE, ranks too.
 """
-
-
-def _nprocs(text: str) -> int:
-
-    if text == "gpu" or (text == "auto" and visible_devices()):
-        gpus = len(visible_devices())
-        if not gpus:
-            raise argparse.ArgumentTypeError("'gpu' wants GPUs, and none is visible here")
-        return gpus
-    if text in ("auto", "cpu"):
-        return os.cpu_count() or 1
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"wants a positive integer, 'auto', 'cpu' or 'gpu', got {text!r}"
-        ) from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(
-            f"wants a positive integer, 'auto', 'cpu' or 'gpu', got {text!r}"
-        )
-    return value
-
-
-def _seconds(text: str) -> float:
-
-    try:
-        value = float(text)
-        check_seconds("SECONDS", value, allow_none=False, finite=True)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"wants a non-negative number of seconds, got {text!r}"
-        ) from None
-    return value
-
-
-def _count(text: str) -> int:
-
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"wants a non-negative whole number, got {text!r}")
-    return value
-
-
-def _stream_mode(text: str) -> str:
-
-    if text == "capture":
-        raise argparse.ArgumentTypeError(
-            "'capture' is for the Python API (ctx.output()); use prefix, inherit, devnull"
-            " or a directory"
-        )
-    if not text:
-        raise argparse.ArgumentTypeError("wants prefix, inherit, devnull or a directory")
-    if text not in STREAM_MODES and not _names_a_directory(text):
-        # A bare word that is no mode is far more often a typo (--stdout prefx)
-        # than a directory to make; a path says it is one.
-        close = difflib.get_close_matches(text, STREAM_MODES, n=1)
-        guess = f"did you mean {close[0]!r}? " if close else ""
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is neither a mode ({', '.join(STREAM_MODES)}) nor an existing"
-            f" directory; {guess}for a new directory, give a path: ./{text}"
-        )
-    return text
-
-
-def _names_a_directory(text: str) -> bool:
-    """True if a ``--stdout``/``--stderr`` value is a directory: one that exists, or a path."""
-    separators = {os.sep} | ({os.altsep} if os.altsep else set())
-    return os.path.isdir(text) or any(sep in text for sep in separators)
-
-
-def _module_list(text: str) -> list[str]:
-    """``--preload`` value: comma-separated module names."""
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    if not names:
-        raise argparse.ArgumentTypeError(f"expected module names separated by commas, got {text!r}")
-    return names
-
-
-def _env_pair(text: str) -> tuple[str, str]:
-
-    key, equals, value = text.partition("=")
-    if not key:
-        raise argparse.ArgumentTypeError(f"wants KEY=VALUE or KEY, got {text!r}")
-    if not equals:
-        # The value from our own environment: a secret given on the command
-        # line is in our argv, which every local user can read (ps).
-        if key not in os.environ:
-            raise argparse.ArgumentTypeError(
-                f"{key} is not set in the launcher's environment (--env KEY takes its value"
-                " from there)"
-            )
-        value = os.environ[key]
-    return key, value

@@ -37,7 +37,9 @@ from aiospawn._rank.programs import (
     resolve_function,
 )
 
-from ._parse import SHUTDOWN_SIGNALS, STREAM_MODES, Std, UsageError, _seconds
+from ._parse import SHUTDOWN_SIGNALS, UsageError
+from ._torchrun import Std
+from ._values import STREAM_MODES, seconds
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -398,7 +400,7 @@ def _grace_period(options: argparse.Namespace) -> float | None:
     text = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
     if text:  # torchrun's own default comes from there
         try:
-            return _seconds(text)
+            return seconds(text)
         except argparse.ArgumentTypeError as exc:
             raise UsageError(f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT {exc}") from None
     return None

@@ -24,7 +24,6 @@ class Run:
     """What happened to a run: its group, its outcome, signals received."""
 
     def __init__(self, plan: Plan) -> None:
-
         self.plan = plan
         self.started_at = time.monotonic()
         self.group: AsyncProcessContext[Any] | None = None
@@ -37,13 +36,13 @@ class Run:
 
 
 def say(line: str) -> None:
+    """Print one line of the launcher's own on stderr, after what the ranks printed so far."""
     sys.stdout.flush()
     print(f"{PROG}: {line}", file=sys.stderr, flush=True)
 
 
 def report(run: Run) -> int:
     """Print what the run's outcome calls for; return the launcher's exit status."""
-
     elapsed = time.monotonic() - run.started_at
     nprocs = run.plan.nprocs
     if run.usage_error is not None:
@@ -82,7 +81,6 @@ def report(run: Run) -> int:
 
 def _root_cause(failure: BaseException) -> str:
     """The failure's message; for a raised exception, its last line and the stderr tail."""
-
     text = str(failure).strip("\n")
     notes = getattr(failure, "__notes__", None)
     if isinstance(failure, aiospawn.ProcessRaisedException):
@@ -101,7 +99,7 @@ def _indent(text: str) -> str:
 
 
 def _table(run: Run, root: int | None) -> str:
-
+    """The summary: one row per rank, with its pid, how it ended and how long it ran."""
     assert run.group is not None
     statistics = run.group.statistics()
     restarts = statistics.restarts > 0

@@ -8,7 +8,7 @@ import secrets
 import signal
 import sys
 import tempfile
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING
 
 import anyio
 import anyio.abc
@@ -23,6 +23,8 @@ from ._report import Run, report, say
 from ._status import StatusLine, wanted
 
 if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
     from aiospawn import GroupOptions
     from aiospawn._core._backend import Backend
 
@@ -123,21 +125,24 @@ def _backend(plan: Plan) -> Backend | None:
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     from aiospawn.ray import RayBackend
 
-    # RayLauncher.start takes only the ranks it made, a narrower parameter than
-    # the GroupLauncher protocol's; the library pairs them, so this holds.
-    return cast("Backend", RayBackend(address=plan.ray, placement=plan.placement))
+    return RayBackend(address=plan.ray, placement=plan.placement)
 
 
-async def _on_signals(received: Any, run: Run, ranks_scope: anyio.CancelScope) -> None:
-
+async def _on_signals(
+    received: AsyncIterator[signal.Signals], run: Run, ranks_scope: anyio.CancelScope
+) -> None:
+    """Act on each signal received until the run ends; signals passed on finish first."""
     async with anyio.create_task_group() as passing_on:
         await _take_signals(received, run, ranks_scope, passing_on)
 
 
 async def _take_signals(
-    received: Any, run: Run, ranks_scope: anyio.CancelScope, passing_on: anyio.abc.TaskGroup
+    received: AsyncIterator[signal.Signals],
+    run: Run,
+    ranks_scope: anyio.CancelScope,
+    passing_on: anyio.abc.TaskGroup,
 ) -> None:
-
+    """The first signal stops the ranks or is passed on; a second SIGINT kills them now."""
     async for signum in received:
         if run.finished:
             continue  # every rank has been reaped: the outcome stands
@@ -177,10 +182,15 @@ async def _pass_on(run: Run, signum: int, ranks_scope: anyio.CancelScope) -> Non
     """
     group = run.group
     if group is not None:
+        # The library stops ranks (terminate()) but has no call that passes
+        # another signal on, so the launcher sends it itself. Each local rank
+        # leads its process group, which holds its --no-python program too; a
+        # rank still "running" here has not been reaped by us, and no await
+        # comes between this snapshot and the signal, so the pid is still the
+        # rank's (under forkserver and --preload the rank's parent reaps it:
+        # there only a rank that exited this very moment could be missed).
         for rank in group.statistics().ranks:
             if rank.state == "running" and rank.pid is not None:
-                # Each rank leads its process group (its --no-python program too);
-                # it is our unreaped child while "running", so the pid is its own.
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(rank.pid, signum)
     grace = run.plan.grace_period

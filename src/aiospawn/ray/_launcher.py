@@ -40,7 +40,7 @@ from typing import Any
 import anyio
 from anyio.lowlevel import checkpoint
 
-from aiospawn._core._backend import raise_start_error
+from aiospawn._core._backend import RankHandle, raise_start_error
 from aiospawn._core._concurrency import run_to_completion
 from aiospawn._core._env import rank_environment, torchrun_environment
 from aiospawn._core._spec import LaunchSpec
@@ -244,12 +244,15 @@ class RayLauncher:
         link = RayLink(self._board, self._token, f"{index}.{restart}")
         return RayRank(index, restart, ray=self.ray, post=self.send, forget=self._forget, link=link)
 
-    async def start(self, ranks: Sequence[RayRank]) -> None:
-        """Start ``ranks`` together; return once each has been handed ``fn``.
+    async def start(self, handles: Sequence[RankHandle]) -> None:
+        """Start ``handles``, made by :meth:`make_rank`, together; return once each has ``fn``.
 
         Raises:
             Exception: The start error of the lowest failing rank, with a note.
         """
+        # The protocol's parameter, so that RayBackend is a Backend to the type checker.
+        ranks = [rank for rank in handles if isinstance(rank, RayRank)]
+        assert len(ranks) == len(handles), "a Ray launcher starts the ranks it made"
         errors: dict[int, BaseException] = {}
         try:
             if self._master_port is None and len(ranks) == self._spec.nprocs and self._actors:
