@@ -309,13 +309,25 @@ class LoopThread:
                 if call.cancel:
                     scope.cancel()
                 result = await call.fn(*call.args)
+        except asyncio.CancelledError as exc:
+            if _cancelled_from_outside():
+                # Not the call's own scope (anyio uncancels the task for that
+                # one): the loop is being torn down under the call, as asyncio
+                # does when a callback raises SystemExit. Left in the set, the
+                # call fails with the reason once the loop thread has ended.
+                raise
+            error = exc
         except BaseException as exc:  # the caller's to raise; never the loop's
             error = exc
-        finally:
-            call.finish(result, error)
-            self._calls.discard(call)  # after: see _cancel
-            assert self._nudged is not None
-            self._nudged.set()  # close() may be waiting for the last call
+        call.finish(result, error)
+        self._calls.discard(call)  # after: see _cancel
+        assert self._nudged is not None
+        self._nudged.set()  # close() may be waiting for the last call
+
+
+def _cancelled_from_outside() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def loop_died(failure: BaseException | None) -> RuntimeError:
