@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import FrameType
+from typing import TypeVar
 
 import pytest
 
 from aiospawn._sync._interrupts import CtrlC, with_ctrl_c_deferred
+
+T = TypeVar("T")
 
 
 @pytest.fixture(autouse=True)
@@ -31,6 +34,14 @@ def default_sigint() -> Iterator[None]:
 
 def ctrl_c() -> None:
     signal.raise_signal(signal.SIGINT)
+
+
+def deferred(body: Callable[[], T]) -> T:
+    """``with_ctrl_c_deferred(body)``, where a KeyboardInterrupt fails the test, not the run."""
+    try:
+        return with_ctrl_c_deferred(body)
+    except KeyboardInterrupt:
+        pytest.fail("a KeyboardInterrupt was raised where none was due")
 
 
 def test_a_first_ctrl_c_is_raised_as_the_call_returns_not_where_it_lands() -> None:
@@ -61,7 +72,7 @@ def test_a_wait_sees_the_pending_ctrl_c_and_once_it_delivered_it_it_is_not_raise
         seen.append((handler.count, handler.pending))
         return "result"
 
-    assert with_ctrl_c_deferred(body) == "result"
+    assert deferred(body) == "result"
     assert seen == [(1, True), (1, False)]
 
 
@@ -125,7 +136,7 @@ def test_a_handler_the_program_installed_is_left_alone() -> None:
         ctrl_c()
         return "result"
 
-    assert with_ctrl_c_deferred(body) == "result"
+    assert deferred(body) == "result"
     assert received == [signal.SIGINT]
     assert signal.getsignal(signal.SIGINT) is handler
 

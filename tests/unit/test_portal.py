@@ -180,7 +180,8 @@ def test_a_first_ctrl_c_cancels_the_call_and_is_raised_once_the_call_has_ended()
     async def cleans_up_slowly() -> str:
         started.set()
         try:
-            await anyio.sleep_forever()
+            await anyio.sleep(TRIPWIRE)
+            events.append("never cancelled")
         finally:
             with anyio.CancelScope(shield=True):
                 await anyio.sleep(0.2)
@@ -209,7 +210,8 @@ def test_a_second_ctrl_c_gets_out_at_once_and_the_call_still_ends_on_the_loop() 
     async def cleanup_held_until_released() -> None:
         started.set()
         try:
-            await anyio.sleep_forever()
+            await anyio.sleep(TRIPWIRE)
+            events.append("never cancelled")
         finally:
             cleaning.set()
             with anyio.CancelScope(shield=True):
