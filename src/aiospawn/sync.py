@@ -56,11 +56,9 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVarTuple, overload
 
 from . import _torch_mp
 from ._api import warn_spawn_only
-from ._core._context import AsyncProcessContext
 from ._core._errors import ProcessException, ProcessExitedException, ProcessRaisedException
 from ._core._spec import check_seconds, resolve_start_method
 from ._sync import _blocking_group
-from ._sync._blocking_group import BlockingGroup
 from ._sync._interrupts import with_ctrl_c_deferred
 from ._sync._loop_guard import refuse_inside_event_loop
 
@@ -78,6 +76,9 @@ __all__ = [
 if TYPE_CHECKING:
     # The stand-in's names for the checker: found by __getattr__ at run time.
     from multiprocessing import *  # noqa: F403
+
+    from ._core._context import AsyncProcessContext
+    from ._sync._blocking_group import BlockingGroup
 
 Ts = TypeVarTuple("Ts")
 

@@ -42,7 +42,7 @@ def running_loop() -> Literal["asyncio", "trio"] | None:
     A trio task is trio's even when trio runs as a guest on an asyncio loop:
     its tasks run in the loop's callbacks, so asyncio sees a running loop,
     yet asyncio primitives would break them. Outside a task, a thread inside
-    a trio run (an instrument, a ``run_sync_soon`` callback) is trio's too.
+    a trio run (an instrument's hook) is trio's too.
     """
     trio = sys.modules.get("trio")
     if trio is not None and trio.lowlevel.in_trio_task():
