@@ -31,6 +31,7 @@ import pytest
 
 import aiospawn.sync as sync
 from aiospawn import AsyncProcessContext
+from aiospawn._sync import _blocking_group, _portal
 from tests import interrupt_ranks, ranks
 from tests.fake_backend import FakeBackend, start_group
 from tests.helpers import live_children
@@ -161,7 +162,7 @@ class FakeGroup:
         async def start_fake(*args: object, **kwargs: object) -> AsyncProcessContext[Any]:
             return await start_group(self.backend, nprocs=1)
 
-        monkeypatch.setattr(sync, "_start_group_async", start_fake)
+        monkeypatch.setattr(_blocking_group, "_start_group_async", start_fake)
 
     def start_and_join(self) -> None:
         sync.start_processes(interrupt_ranks.report_then_wait, nprocs=1, start_method="fork")
@@ -244,9 +245,13 @@ def places(new_group: Callable[[], RealGroup | FakeGroup]) -> list[str]:
     return list(dict.fromkeys(trace.seen))
 
 
+#: Where aiospawn.sync's own code is: the module, and the package of its machinery.
+SYNC_CODE = (f"{os.sep}aiospawn{os.sep}sync.py:", f"{os.sep}aiospawn{os.sep}_sync{os.sep}")
+
+
 def in_sync(places: Iterable[str]) -> set[str]:
     """The places of ``places`` in aiospawn.sync's own code."""
-    return {place for place in places if f"{os.sep}aiospawn{os.sep}sync.py:" in place}
+    return {place for place in places if any(code in place for code in SYNC_CODE)}
 
 
 @contextmanager
@@ -324,7 +329,7 @@ def test_a_loop_thread_that_dies_fails_the_waiting_call_instead_of_stranding_it(
     async def die(self: object, call: object) -> None:
         raise SystemExit("the loop thread dies")  # asyncio lets it end the loop
 
-    monkeypatch.setattr(sync._LoopThread, "_execute", die)
+    monkeypatch.setattr(_portal.LoopThread, "_execute", die)
     with pytest.raises(RuntimeError, match="event loop thread ended") as info:
         sync.start_processes(ranks.sleep_forever, nprocs=1, start_method="fork")
     assert loop_threads() == []

@@ -10,7 +10,8 @@ Where things are: ``_context`` is the public handle, ``AsyncProcessContext``;
 ``_restarts`` and ``_hangs`` its decisions (pure functions of a snapshot);
 ``_outcome`` how ranks ended and the exceptions and results built from that;
 ``_shutdown`` the escalation; ``_spec`` what a group runs and the checks of
-the user's arguments; ``_concurrency`` the small tools the rest share.
+the user's arguments; ``_concurrency`` the small tools the rest share;
+``_loops`` which event loop runs the caller.
 
 Import rule: this package imports the standard library, anyio, and of the
 rest of aiospawn only ``aiospawn._rank.wire`` (the outcome frame a rank

@@ -24,6 +24,8 @@ from typing import Any, TypeVar
 
 import anyio
 
+from ._loops import runs_asyncio
+
 T = TypeVar("T")
 
 #: The owners started on asyncio loops: the loop holds its tasks weakly.
@@ -65,29 +67,6 @@ async def run_to_completion(fn: Callable[[], Awaitable[T]]) -> T:
     if absorbed is not None:
         raise absorbed
     return result
-
-
-def runs_asyncio() -> bool:
-    """True if the caller runs on an asyncio loop, and not in a trio task.
-
-    A trio run may be a guest on an asyncio loop (``trio.lowlevel.start_guest_run``):
-    its tasks run in the loop's callbacks, so asyncio sees a running loop, yet
-    they are trio's, and asyncio primitives would break them.
-
-    Both are looked up, not imported: a trio program need not load asyncio for
-    us (it took about 15 ms of a trio program's first group), nor an asyncio one trio.
-    """
-    trio = sys.modules.get("trio")
-    if trio is not None and trio.lowlevel.in_trio_task():
-        return False
-    asyncio = sys.modules.get("asyncio")
-    if asyncio is None:
-        return False
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True
 
 
 class Broadcast:

@@ -22,7 +22,7 @@ import sys
 import threading
 from collections.abc import Iterator
 
-from ._concurrency import runs_asyncio
+from ._loops import runs_asyncio
 
 
 def under_ipykernel() -> bool:

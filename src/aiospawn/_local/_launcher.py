@@ -42,6 +42,7 @@ from anyio.lowlevel import checkpoint
 from aiospawn._core._backend import raise_start_error
 from aiospawn._core._capture import CaptureBuffer
 from aiospawn._core._env import free_port, rank_environment, torchrun_environment
+from aiospawn._core._loops import running_asyncio_loop
 from aiospawn._core._spec import LaunchSpec, dumps_payload, interactive_main
 from aiospawn._rank.bootstrap import (
     RankSetup,
@@ -342,19 +343,8 @@ def _loop_wakeup_sockets() -> list[Any]:
     wakeup = getattr(getattr(getattr(runner, "runner", None), "entry_queue", None), "wakeup", None)
     if wakeup is not None:  # trio's WakeupSocketpair
         found += [wakeup.wakeup_sock, wakeup.write_sock]
-    try:
-        loop = _asyncio_running_loop()
-    except RuntimeError:
-        loop = None
+    loop = running_asyncio_loop()
     # The selector loop's self-pipe, whose write end is its signal wakeup fd;
     # a trio run in guest mode has its asyncio host's too.
     found += [getattr(loop, "_ssock", None), getattr(loop, "_csock", None)]
     return [sock for sock in found if sock is not None and sock.fileno() >= 0]
-
-
-def _asyncio_running_loop() -> Any:
-    """The running asyncio loop, without importing asyncio for a trio program."""
-    asyncio = sys.modules.get("asyncio")
-    if asyncio is None:
-        raise RuntimeError("no asyncio")
-    return asyncio.get_running_loop()
