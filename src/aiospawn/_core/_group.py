@@ -1,11 +1,11 @@
 """The supervisor of one rank group, from its start to the last reap.
 
-(About 750 lines: this is the state machine and the waits on it. Its
-transitions, an exit, a failure, a restart, a hang, the shutdown, read and
-write the same few facts; what has a concern of its own is apart: the live
-ranks in ``_live``, carrying out restarts in ``_restarts``, the hang monitor
-in ``_hangs``, the shutdown's escalation in ``_shutdown``, what a group's
-end reports in ``_outcome``.)
+(About 770 lines: this is the state machine and the waits on it; see the
+architecture page. Its transitions, an exit, a failure, a restart, a hang,
+the shutdown, read and write the same few facts; what has a concern of its
+own is apart: the live ranks in ``_live``, carrying out restarts in
+``_restarts``, the hang monitor in ``_hangs``, the escalation in
+``_shutdown``, what a group's end reports in ``_outcome``.)
 
 :class:`~aiospawn.AsyncProcessContext` is the public handle; this module's
 :class:`Group` owns the state and drives it. A group's state is derived from
@@ -39,16 +39,17 @@ One task, the group's **owner** (:meth:`Group._own`), drives it from the
 start of its ranks to their last reap, whether or not anyone waits on the
 group: it starts the ranks, watches each attempt (its exit; its channel's
 pump, from :class:`~._live.LiveRanks`), runs the hang monitor as a task of its
-own, takes each restart step and runs the shutdown. Those objects read the
-group through what it passes them, and change it only through the callables
-it gives them. Everything else (``join()``, ``wait_ready()``, calls, the end
-of an ``async with`` block, ``terminate()``) reads the state the owner keeps
-and waits for it to change; a shutdown is asked of the owner, never run
-beside it. Where the
-owner runs (see :func:`~._concurrency.start_owner`): a task of the event loop
-itself, which ends, at the latest, with the loop; the forms of the API that
-have a scope (``spawn()``, ``open_group()``, ``join()``) wait for it to end
-before they return.
+own, takes each restart step and runs the shutdown. Those objects see the
+group only through what it passes them (the current attempts, its clock,
+event log and change notice, the restart tracker it reads too) and act on it
+only through the callables it gives them. Everything else (``join()``,
+``wait_ready()``, calls, the end of an ``async with`` block, ``terminate()``)
+reads the state the owner keeps and waits for it to change; a shutdown is
+asked of the owner, never run beside it. Where the owner runs (see
+:func:`~._concurrency.start_owner`): a task of the event loop itself, which
+ends, at the latest, with the loop; the forms of the API that have a scope
+(``spawn()``, ``open_group()``, ``join()``) wait for it to end before they
+return.
 
 The internal interface that ``aiospawn.sync`` uses, beside the handle's:
 :meth:`Group.wait_step` (``join()`` that also returns after any one exit, as
