@@ -1,12 +1,20 @@
-"""Restart decisions, as pure functions of a policy, a snapshot of the group and the time."""
+"""Restarts: the decisions, pure functions of a policy, a snapshot of the group and the time;
+and carrying them out, with the group's slots played by the test."""
 
 from __future__ import annotations
 
+import logging
 import math
+from collections.abc import Sequence
+from typing import cast
 
+import anyio
 import pytest
 
 from aiospawn import Backoff, RestartPolicy
+from aiospawn._core._backend import RankHandle
+from aiospawn._core._concurrency import Broadcast
+from aiospawn._core._events import EventLog, Restarting
 from aiospawn._core._outcome import RankExit
 from aiospawn._core._restarts import (
     HISTORY_TAIL,
@@ -14,9 +22,12 @@ from aiospawn._core._restarts import (
     GiveUp,
     GroupView,
     Restart,
+    Restarts,
     RestartTracker,
     decide,
 )
+from tests.fake_backend import FakeClock
+from tests.helpers import tripwire
 
 FAST = Backoff(initial=0)
 
@@ -165,3 +176,132 @@ def test_the_history_of_a_group_restarted_forever_stays_bounded() -> None:
     assert len(note) == NOTE_RECORDS + 1
     assert "the last 10 of 5004 failures, oldest first:" in note[0]
     assert note[-1].endswith("rank 0 (pid 100, restart 5003): exit code 1")
+
+
+class Attempt:
+    """The little of a rank attempt that carrying out a restart reads: its rank and pid."""
+
+    def __init__(self, rank: int, restart: int = 0) -> None:
+        self.rank = rank
+        self.pid = 100 * (restart + 1) + rank
+
+
+class Slots:
+    """The group as :class:`Restarts` sees it; the test decides how stops and starts go."""
+
+    def __init__(self, nprocs: int, policy: RestartPolicy, *, stops: bool = True) -> None:
+        self.attempts = [Attempt(rank) for rank in range(nprocs)]
+        self.numbers = [0] * nprocs
+        self.stops = stops
+        self.start_error: Exception | None = None
+        self.stopped: list[list[int]] = []
+        self.gave_up: list[tuple[int, Exception | None]] = []
+        self.events = EventLog()
+        self.changed = Broadcast()
+        self.restarts = Restarts(
+            RestartTracker(policy),
+            clock=FakeClock(),
+            changed=self.changed,
+            events=self.events,
+            stop=self.stop,
+            start_again=self.start_again,
+            give_up=lambda failure, error: self.gave_up.append((failure.rank, error)),
+        )
+
+    async def stop(self, ranks: Sequence[RankHandle]) -> bool:
+        await anyio.lowlevel.checkpoint()
+        self.stopped.append([rank.rank for rank in ranks])
+        return self.stops
+
+    async def start_again(self, slots: Sequence[int]) -> list[RankHandle]:
+        await anyio.lowlevel.checkpoint()
+        if self.start_error is not None:
+            raise self.start_error
+        for index in slots:
+            self.numbers[index] += 1
+            self.attempts[index] = Attempt(index, self.numbers[index])
+        return [cast("RankHandle", self.attempts[index]) for index in slots]
+
+    def fail(self, rank: int, running: tuple[int, ...]) -> bool:
+        return self.restarts.on_failure(
+            failure(rank),
+            view(len(self.attempts), running, restarting=self.restarts.pending),
+            cast("list[RankHandle]", self.attempts),
+            self.numbers,
+        )
+
+    async def step(self) -> list[int]:
+        with tripwire(10, "a restart step"):
+            attempts = cast("list[RankHandle]", list(self.attempts))
+            fresh = await self.restarts.step(attempts, list(self.numbers))
+        return [rank.rank for rank in fresh]
+
+    async def event_log(self) -> list[tuple[str, int, int | None]]:
+        self.events.close()
+        return [
+            (type(event).__name__, event.rank, event.pid)
+            async for event in self.events.follow()
+            if isinstance(event, Restarting)
+        ]
+
+
+@pytest.mark.anyio
+async def test_a_whole_group_restart_stops_the_others_then_starts_every_slot_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="aiospawn")
+    group = Slots(3, RestartPolicy(backoff=FAST))
+    assert group.fail(1, running=(0, 2)) is True
+    assert "restarting the group in 0 s (restart 1 of at most" in caplog.text
+    # A failure of the others while it is under way is its consequence.
+    assert group.fail(0, running=(2,)) is True
+    assert group.restarts.tracker.pending_slots() == {0, 1, 2}
+    assert await group.step() == []  # the first step stops the running ranks
+    assert group.stopped == [[0, 2]]
+    assert await group.step() == [0, 1, 2]  # then, its backoff over, starts them again
+    assert not group.restarts.pending
+    assert group.restarts.tracker.restarts == 1
+    assert group.numbers == [1, 1, 1]
+    # Announced for the attempts it replaced, before they were started again.
+    assert await group.event_log() == [("Restarting", rank, 100 + rank) for rank in range(3)]
+    assert group.gave_up == []
+
+
+@pytest.mark.anyio
+async def test_a_failure_past_the_policys_intensity_is_given_up_on() -> None:
+    group = Slots(2, RestartPolicy(max_restarts=0, backoff=FAST))
+    assert group.fail(1, running=(0,)) is False
+    assert not group.restarts.pending
+
+
+@pytest.mark.anyio
+async def test_a_rank_that_cannot_be_stopped_cannot_be_replaced() -> None:
+    group = Slots(2, RestartPolicy(backoff=FAST), stops=False)
+    group.fail(1, running=(0,))
+    assert await group.step() == []
+    assert group.gave_up == [(1, None)]
+
+
+@pytest.mark.anyio
+async def test_a_start_that_fails_gives_up_with_its_error() -> None:
+    group = Slots(2, RestartPolicy(strategy="one_for_one", backoff=FAST))
+    group.start_error = OSError("no room")
+    group.fail(1, running=(0,))
+    assert await group.step() == []
+    assert group.gave_up == [(1, group.start_error)]
+    assert group.restarts.tracker.restarts == 0
+
+
+@pytest.mark.anyio
+async def test_a_restart_dropped_during_its_backoff_never_starts() -> None:
+    group = Slots(2, RestartPolicy(strategy="one_for_one", backoff=Backoff(initial=60)))
+    group.fail(1, running=(0,))
+    with tripwire(10, "the backoff"):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(group.step)
+            await anyio.wait_all_tasks_blocked()  # in its backoff
+            assert group.restarts.drop() == {1}  # terminate(), say
+            group.changed.notify()
+    assert not group.restarts.pending
+    assert group.numbers == [0, 0]
+    assert group.restarts.tracker.restarts == 0

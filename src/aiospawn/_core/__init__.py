@@ -7,7 +7,9 @@ backend seam in ``_backend`` (``Backend`` -> ``GroupLauncher`` ->
 
 Where things are: ``_context`` is the public handle, ``AsyncProcessContext``;
 ``_group`` the supervisor behind it, which drives the group's state machine;
-``_restarts`` and ``_hangs`` its decisions (pure functions of a snapshot);
+``_live`` the live ranks' channels and calls; ``_restarts`` and ``_hangs``
+its decisions (pure functions of a snapshot) and the objects that carry them
+out for it;
 ``_outcome`` how ranks ended and the exceptions and results built from that;
 ``_shutdown`` the escalation; ``_spec`` what a group runs and the checks of
 the user's arguments; ``_concurrency`` the small tools the rest share;

@@ -1,9 +1,11 @@
 """The supervisor of one rank group, from its start to the last reap.
 
-(About 680 lines: this is the state machine. Its transitions, an exit, a
-failure, a restart step, a hang, the shutdown, read and write the same few
-facts; the decisions that need no state of their own are already apart, in
-``_restarts``, ``_hangs`` and ``_outcome``.)
+(About 770 lines: this is the state machine and the waits on it; see the
+architecture page. Its transitions, an exit, a failure, a restart, a hang,
+the shutdown, read and write the same few facts; what has a concern of its
+own is apart: the live ranks in ``_live``, carrying out restarts in
+``_restarts``, the hang monitor in ``_hangs``, the escalation in
+``_shutdown``, what a group's end reports in ``_outcome``.)
 
 :class:`~aiospawn.AsyncProcessContext` is the public handle; this module's
 :class:`Group` owns the state and drives it. A group's state is derived from
@@ -25,25 +27,29 @@ shutdown begun), never stored twice::
 Each slot holds the current attempt at its rank (a ``RankHandle`` from the
 group's launcher; a restart puts a new one in the slot). Every exit is seen by
 the owner's watch of that attempt and recorded by :meth:`Group._record_exit`.
-What follows a failure is the restart tracker's decision (``_restarts``);
-which ranks are hung, the hang watch's (``_hangs``); the exception and the
-results are built by ``_outcome``. Of the failures that the restart policy
-does not absorb, not caused by us, the one that
-ended first is the root cause (by when it ended, not when the group learnt of
-it: one poll may find several exits); every ``join()`` raises an exception
-equal to the one built from it.
+What follows a failure is the restart policy's decision, which
+:class:`~._restarts.Restarts` carries out; which ranks are hung,
+:class:`~._hangs.HangMonitor` finds; the exception and the results are built
+by ``_outcome``. Of the failures that the restart policy does not absorb, not
+caused by us, the one that ended first is the root cause (by when it ended,
+not when the group learnt of it: one poll may find several exits); every
+``join()`` raises an exception equal to the one built from it.
 
 One task, the group's **owner** (:meth:`Group._own`), drives it from the
 start of its ranks to their last reap, whether or not anyone waits on the
-group: it starts the ranks, watches each attempt (its exit, its output), pumps
-every channel, watches heartbeats, makes the restarts and runs the shutdown.
-Everything else (``join()``, ``wait_ready()``, calls, the end of an ``async
-with`` block, ``terminate()``) reads the state the owner keeps and waits for
-it to change; a shutdown is asked of the owner, never run beside it. Where the
-owner runs (see :func:`~._concurrency.start_owner`): a task of the event loop
-itself, which ends, at the latest, with the loop; the forms of the API that
-have a scope (``spawn()``, ``open_group()``, ``join()``) wait for it to end
-before they return.
+group: it starts the ranks, watches each attempt (its exit; its channel's
+pump, from :class:`~._live.LiveRanks`), runs the hang monitor as a task of its
+own, takes each restart step and runs the shutdown. Those objects see the
+group only through what it passes them (the current attempts, its clock,
+event log and change notice, the restart tracker it reads too) and act on it
+only through the callables it gives them. Everything else (``join()``,
+``wait_ready()``, calls, the end of an ``async with`` block, ``terminate()``)
+reads the state the owner keeps and waits for it to change; a shutdown is
+asked of the owner, never run beside it. Where the owner runs (see
+:func:`~._concurrency.start_owner`): a task of the event loop itself, which
+ends, at the latest, with the loop; the forms of the API that have a scope
+(``spawn()``, ``open_group()``, ``join()``) wait for it to end before they
+return.
 
 The internal interface that ``aiospawn.sync`` uses, beside the handle's:
 :meth:`Group.wait_step` (``join()`` that also returns after any one exit, as
@@ -53,12 +59,9 @@ torch's ``join()`` does), :meth:`Group.unjoined` and :meth:`Group.attempt`.
 from __future__ import annotations
 
 import contextvars
-import functools
-import itertools
 import math
 import signal
-import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -68,21 +71,20 @@ from anyio.lowlevel import checkpoint
 
 from ._backend import Backend, GroupLauncher, RankHandle
 from ._capture import CaptureBuffer
-from ._channel import Conversation, RankChannel, decode, encode
+from ._channel import RankChannel
 from ._concurrency import Broadcast, run_to_completion, start_owner
-from ._errors import ProcessException, signal_name
+from ._errors import signal_name
 from ._events import (
     EventLog,
     Exited,
     GroupStatistics,
     Hung,
     RankStatistics,
-    Ready,
-    Restarting,
     Started,
     Stopped,
     Terminating,
 )
+from ._live import LiveRanks
 from ._log import logger
 from ._outcome import (
     BrokenChannel,
@@ -92,16 +94,15 @@ from ._outcome import (
     decode_results,
     ended_before,
     group_error,
-    rebuild_raised,
 )
 from ._policy import Supervision
-from ._restarts import GiveUp, GroupView, PendingRestart, RestartTracker
+from ._restarts import GroupView, Restarts, RestartTracker
 from ._shutdown import Shutdown
 from ._spec import LaunchSpec
 
 if TYPE_CHECKING:
     # Imported by the groups that watch heartbeats, when they are made.
-    from ._hangs import HangWatch, Overdue, Watched
+    from ._hangs import HangMonitor
 
 T = TypeVar("T")
 
@@ -116,10 +117,6 @@ _failure_waits_for_join: contextvars.ContextVar[bool] = contextvars.ContextVar(
 def stop_on_join() -> None:
     """Have the groups started from this context act on a failure in ``join()``."""
     _failure_waits_for_join.set(True)
-
-
-#: Seconds a hung rank gets to write its stacks before it is stopped anyway.
-STACK_TIMEOUT = 1.0
 
 
 class Group(Generic[T]):
@@ -138,21 +135,45 @@ class Group(Generic[T]):
         self._launcher = launcher
         self._supervision = supervision
         self._clock = supervision.clock
-        self._hangs: HangWatch | None = None
+        self._changed = Broadcast()
+        self._hangs: HangMonitor | None = None
         if supervision.watches_heartbeats:
             # Here, not at the top: most groups watch no heartbeats, and the
             # module's four dataclasses took 3-4 ms of the first call.
-            from ._hangs import HangWatch
+            from ._hangs import HangMonitor, HangWatch
 
-            self._hangs = HangWatch(
+            watch = HangWatch(
                 heartbeat_timeout=supervision.heartbeat_timeout,
                 startup_timeout=supervision.startup_timeout,
             )
-        self._tracker = RestartTracker(supervision.restart)
-        self._restarts = [0] * spec.nprocs  # per slot: the current attempt's number
-        self._channels: dict[RankHandle, Conversation] = {}  # per attempt, with a link
-        self._channels_closed = False  # the block ended: ranks' serve() may return
-        self._call_ids = itertools.count(1)
+            self._hangs = HangMonitor(
+                watch,
+                clock=self._clock,
+                changed=self._changed,
+                running=self._running_attempts,
+                shutting_down=lambda: self._shutdown is not None,
+                report=self._hung,
+            )
+        self._tracker = RestartTracker(supervision.restart)  # read here, moved on by:
+        self._restarts = Restarts(
+            self._tracker,
+            clock=self._clock,
+            changed=self._changed,
+            events=self.events,
+            stop=self._stop_attempts,
+            start_again=self._start_again,
+            give_up=self._failed_restart,
+        )
+        self._numbers = [0] * spec.nprocs  # per slot: the current attempt's number
+        self._live = LiveRanks(
+            spec.nprocs,
+            self.attempt,
+            transport=type(launcher).__name__,
+            events=self.events,
+            changed=self._changed,
+            on_broken=self._on_broken,
+            exit_of=self._exit_of,
+        )
         self._ranks: list[RankHandle] = self._make_ranks(range(spec.nprocs))
         self._last_starts: list[Started | None] = [None] * spec.nprocs
         self._last_exits: list[Exited | None] = [None] * spec.nprocs
@@ -164,7 +185,6 @@ class Group(Generic[T]):
         # Attempts found failed while they ran (hung, or they broke their
         # channel): we stop them, and their exit is never the cause.
         self._faulty: set[RankHandle] = set()
-        self._probing: set[RankHandle] = set()  # attempts whose stacks are being taken
         self._recorded: set[RankHandle] = set()  # attempts whose exit the owner recorded
         self._shutdown: Shutdown | None = None  # asked for: the owner runs it
         self._stuck: list[RankHandle] = []
@@ -175,7 +195,6 @@ class Group(Generic[T]):
         self._first_start: anyio.CancelScope | None = None
         self._broken_owner: BaseException | None = None  # a defect of ours, raised by join()
         self._done = anyio.Event()  # the owner has ended: every rank reaped, all released
-        self._changed = Broadcast()
         self._exits_seen = 0
         self._exits_reported = 0  # ... of which wait_step() has returned for
         # As torch's groups do, aiospawn.sync's act on a failure in join().
@@ -248,10 +267,10 @@ class Group(Generic[T]):
                     rank=index,
                     pid=rank.pid,
                     state=state,
-                    restarts=self._restarts[index],
+                    restarts=self._numbers[index],
                     last_start=self._last_starts[index],
                     last_exit=self._last_exits[index],
-                    ready=self._is_ready(rank),
+                    ready=self._live.is_ready(rank) and rank not in self._recorded,
                 )
             )
         return GroupStatistics(
@@ -270,67 +289,40 @@ class Group(Generic[T]):
     def _running(self) -> int:
         return sum(1 for rank in self._ranks if rank.started and rank not in self._recorded)
 
-    def _is_ready(self, rank: RankHandle) -> bool:
-        channel = self._channels.get(rank)
-        return channel is not None and channel.ready and rank not in self._recorded
-
     # ----------------------------------------------------------- live ranks
 
     def channel(self, index: int) -> RankChannel:
         """The channel of rank ``index``'s current attempt."""
-        return self._conversation(index).handle
-
-    def _conversation(self, index: int) -> Conversation:
-        if isinstance(index, bool) or not isinstance(index, int):
-            raise TypeError(f"rank must be an int, got {index!r}")
-        if not 0 <= index < len(self._ranks):
-            raise ValueError(f"rank {index} is not in this group of {len(self._ranks)}")
-        channel = self._channels.get(self._ranks[index])
-        if channel is None:
-            raise RuntimeError(f"{type(self._launcher).__name__}'s ranks have no channels")
-        return channel
+        return self._live.channel(index)
 
     async def wait_ready(self, timeout: float | None) -> list[Any]:
         """``AsyncProcessContext.wait_ready()``, its argument checked."""
         limit = self._supervision.startup_timeout if timeout is None else timeout
-        for index in range(len(self._ranks)):
-            self._conversation(index)  # every rank has one
+        self._live.check()  # every rank has a channel
         await checkpoint()
         with anyio.move_on_after(math.inf if limit is None else limit) as deadline:
-            while self._root is None and self._shutdown is None:
-                if not self._unready() and not self._tracker.pending and self._starting is None:
+            while self._root is None and self._shutdown is None and not self._over():
+                if self._live.all_ready() and not self._restarts.pending and self._starting is None:
                     break
-                if self._over():
-                    break  # and some returned before they were ready
                 await self._changed.wait()
         if self._root is not None or self._shutdown is not None:
             await self._join(0, None, until_all=True)  # raises the group's failure
-        unready = self._unready()
-        if deadline.cancelled_caught and unready:
-            raise TimeoutError(
-                f"rank(s) {', '.join(str(rank.rank) for rank in unready)} did not call"
-                f" aiospawn.ready() within {limit:g} s"
-            )
-        if unready:
-            raise RuntimeError(
-                "the group ended before every rank called aiospawn.ready(): rank(s)"
-                f" {', '.join(str(rank.rank) for rank in unready)} returned first"
-            )
-        return [
-            await decode(
-                self._channels[rank].ready_payload or b"", f"rank {rank.rank}'s ready payload"
-            )
-            for rank in self._ranks
-        ]
+        return await self._live.ready_payloads(limit if deadline.cancelled_caught else None)
 
-    def _unready(self) -> list[RankHandle]:
-        """The current attempts that have not called ``ready()``."""
-        return [rank for rank in self._ranks if not self._channels[rank].ready]
+    async def call(
+        self,
+        method: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        ranks: Sequence[int] | None,
+        timeout: float | None,
+    ) -> list[Any]:
+        """``AsyncProcessContext.call()``, its arguments checked."""
+        return await self._live.call(method, args, kwargs, ranks, timeout)
 
-    def _on_ready(self, rank: RankHandle) -> None:
-        if rank is self._ranks[rank.rank]:
-            self.events.append(Ready(rank=rank.rank, pid=rank.pid))
-        self._changed.notify()
+    def close_channels(self) -> None:
+        """Close the supervisor's side of every channel: a rank's ``serve()`` returns."""
+        self._live.close_sending()
 
     def _on_broken(self, rank: RankHandle, broken: BrokenChannel) -> None:
         """``rank`` sent a frame that breaks the format: it has failed, as a hung rank has."""
@@ -343,83 +335,7 @@ class Group(Generic[T]):
         logger.warning(
             "Rank %d (pid %d) broke its channel: it sent %s", rank.rank, broken.pid, broken.reason
         )
-        self._faulty.add(rank)
-        self._failed(broken)
-        self._changed.notify()
-
-    async def call(
-        self,
-        method: str,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        ranks: Sequence[int] | None,
-        timeout: float | None,
-    ) -> list[Any]:
-        """``AsyncProcessContext.call()``, its arguments checked."""
-        targets = list(range(len(self._ranks))) if ranks is None else list(ranks)
-        channels = {index: self._conversation(index) for index in targets}
-        if len(channels) < len(targets):
-            # One answer per rank: a rank named twice would be asked once and
-            # its answer returned twice, or asked twice with no order between.
-            twice = sorted({index for index in targets if targets.count(index) > 1})
-            raise ValueError(
-                f"ranks must name each rank once, got {ranks!r}"
-                f" (rank(s) {', '.join(map(str, twice))} more than once)"
-            )
-        request = await encode((method, args, kwargs))
-        call_id = next(self._call_ids)
-        replies: dict[int, bytes | bytearray] = {}
-        ended: dict[int, Exception] = {}
-
-        async def one(index: int, channel: Conversation) -> None:
-            try:
-                replies[index] = await channel.call(call_id, request)
-            except (ProcessException, anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
-                ended[index] = exc
-                tg.cancel_scope.cancel()  # the call has failed: stop waiting for the others
-
-        with anyio.move_on_after(math.inf if timeout is None else timeout):
-            async with anyio.create_task_group() as tg:
-                for index, channel in channels.items():
-                    tg.start_soon(one, index, channel)
-        if ended:
-            first = min(ended)
-            raise ended[first]
-        missing = [index for index in targets if index not in replies]
-        if missing:
-            raise TimeoutError(
-                f"ctx.call({method!r}): rank(s) {', '.join(map(str, missing))} did not"
-                f" answer within {timeout:g} s"
-            )
-        answers = {
-            index: await decode(replies[index], f"rank {index}'s answer to ctx.call({method!r})")
-            for index in sorted(targets)  # the lowest rank's error, if several
-        }
-        raised = sorted(index for index, (ok, _) in answers.items() if not ok)
-        if raised:
-            error = rebuild_raised(answers[raised[0]][1])
-            error.add_note(
-                f"aiospawn: raised by rank {raised[0]}'s handler in ctx.call({method!r})"
-            )
-            if len(raised) > 1:
-                error.add_note(f"aiospawn: ranks {', '.join(map(str, raised[1:]))} raised too")
-            raise error
-        return [answers[index][1] for index in targets]
-
-    def close_channels(self) -> None:
-        """Close the supervisor's side of every channel: a rank's ``serve()`` returns."""
-        self._channels_closed = True
-        for rank in self._ranks:
-            channel = self._channels.get(rank)
-            if channel is not None:
-                channel.close_sending()
-
-    def _release_channels(self, ranks: Iterable[RankHandle]) -> None:
-        """Keep what the ranks sent before they ended, then release their transports."""
-        for rank in ranks:
-            channel = self._channels.get(rank)
-            if channel is not None:
-                channel.drain_and_release()
+        self._faulted(rank, broken)
 
     # ---------------------------------------------------------- what it is asked
 
@@ -569,10 +485,13 @@ class Group(Generic[T]):
                 self._owned = owned
                 await self._start_first()
                 if self._hangs is not None:
-                    owned.start_soon(self._watch_heartbeats, self._hangs)
+                    owned.start_soon(self._hangs.run)
                 while not self._owner_done():
-                    if self._tracker.pending:
-                        await self._restart()
+                    if self._restarts.pending:
+                        fresh = await self._restarts.step(self._ranks, self._numbers)
+                        if fresh:
+                            self._watch(fresh)
+                            self._changed.notify()  # the hang monitor has new ranks to watch
                     else:
                         await self._changed.wait()
                 await self._run_shutdown()
@@ -607,9 +526,9 @@ class Group(Generic[T]):
         for rank in ranks:
             if rank.started:
                 self._owned.start_soon(self._watch_exit, rank)
-                channel = self._channels.get(rank)
-                if channel is not None:
-                    self._owned.start_soon(channel.pump)
+                pump = self._live.pump(rank)
+                if pump is not None:
+                    self._owned.start_soon(pump)
 
     async def _exit_of(self, rank: RankHandle) -> RankExit | None:
         """Wait until the owner has recorded ``rank``'s exit; None if it never started."""
@@ -639,7 +558,7 @@ class Group(Generic[T]):
             for rank in self._ranks:  # seen by the shutdown, or by a poll
                 if rank.exit is not None:
                     self._record_exit(rank, rank.exit)
-            self._release_channels(self._ranks)
+            self._live.release(self._ranks)
             await self._launcher.aclose()
         finally:
             # Nothing more can come, even from a rank stuck in the kernel.
@@ -656,11 +575,9 @@ class Group(Generic[T]):
         if rank in self._recorded:
             return
         self._recorded.add(rank)
-        channel = self._channels.get(rank)
-        if channel is not None:
-            # Its channel ends with it, even if a process it started holds the
-            # rank's end open: receivers get what it sent, then the end.
-            channel.drain_and_release()
+        # Its channel ends with it, even if a process it started holds the
+        # rank's end open: receivers get what it sent, then the end.
+        self._live.release([rank])
         exited = Exited(
             rank=exit.rank,
             pid=exit.pid,
@@ -689,41 +606,15 @@ class Group(Generic[T]):
                 # found both exits, or the first rank took longer to exit.
                 self._root = failure
             return
-        now = self._clock()
         running = {rank.rank for rank in self._ranks if rank.started and rank not in self._recorded}
         view = GroupView(
             nprocs=len(self._ranks),
             running=frozenset(running),
-            restarting=bool(self._tracker.pending),
+            restarting=self._restarts.pending,
             shutting_down=self._shutdown is not None,
         )
-        decision = self._tracker.on_failure(
-            failure, self._restarts[failure.rank], view, now, time.time()
-        )
-        if decision is None:
-            return  # the group is being restarted: this is a consequence, not a cause
-        if isinstance(decision, GiveUp):
+        if not self._restarts.on_failure(failure, view, self._ranks, self._numbers):
             self._give_up(failure)
-            return
-        policy = self._tracker.policy
-        assert policy is not None
-        stop = [self._ranks[index] for index in decision.stop]
-        self._tracker.pending.append(
-            PendingRestart(list(decision.slots), now + decision.delay, stop, failure)
-        )
-        logger.warning(
-            "Rank %d (pid %d) failed (%s); restarting %s in %.3g s (restart %d of at most %d"
-            " within %g s)\n%s",
-            failure.rank,
-            failure.pid,
-            failure.summary(),
-            "the group" if policy.strategy == "one_for_all" else "it",
-            decision.delay,
-            decision.attempt,
-            policy.max_restarts,
-            policy.window,
-            str(failure.exception()).strip("\n"),
-        )
 
     def _give_up(self, failure: Failure) -> None:
         """``failure`` is the group's root cause: the owner shuts the group down."""
@@ -737,15 +628,14 @@ class Group(Generic[T]):
 
     def _drop_pending(self) -> None:
         """Cancel the pending restarts: the slots that wait for one are finished."""
-        for index in sorted(self._tracker.pending_slots()):
+        for index in sorted(self._restarts.drop()):
             rank = self._ranks[index]
             if rank in self._recorded:
                 self.events.append(Stopped(rank=index, pid=rank.pid))
-        self._tracker.pending.clear()
 
     def _over(self) -> bool:
         """True once no rank runs and none will be started again."""
-        return not self._tracker.pending and all(
+        return not self._restarts.pending and all(
             rank in self._recorded
             or (self._started.is_set() and self._starting is None and not rank.started)
             for rank in self._ranks
@@ -767,80 +657,23 @@ class Group(Generic[T]):
 
     # --------------------------------------------------------------- restarts
 
-    async def _restart(self) -> None:
-        """Make progress on the pending restarts: stop, back off, start again.
-
-        Returns after each step, or when something changed, so that the
-        owner looks at the group afresh (a new failure, a shutdown).
-        """
-        pending = self._tracker.pending
-        stop = [rank for restart in pending for rank in restart.stop]
-        if stop:
-            failure = pending[0].failure
-            for restart in pending:
-                restart.stop = []
-            shutdown = Shutdown(
-                self._supervision.grace_period, wait_first=False, on_signal=self._signalled
-            )
-            stuck = await run_to_completion(lambda: shutdown.run(stop, self._watch_exit))
-            if stuck:  # a rank that cannot be reaped cannot be replaced either
-                self._stuck += stuck
-                self._failed_restart(failure, None)
-            return
-        now = self._clock()
-        for restart in pending:
-            if not restart.announced:
-                restart.announced = True
-                for index in restart.slots:
-                    self.events.append(
-                        Restarting(
-                            rank=index,
-                            pid=self._ranks[index].pid,
-                            attempt=self._restarts[index] + 1,
-                            delay=max(0.0, restart.due - now),
-                        )
-                    )
-        first = min(pending, key=lambda restart: restart.due)
-        with anyio.move_on_after(first.due - now):
-            await self._changed.wait()
-            return
-        if first not in pending or self._finished():
-            return  # dropped (terminate(), a failure the policy gave up on) meanwhile
-
-        async def start_again() -> list[RankHandle] | None:
-            # Removed only here: under asyncio, run_to_completion starts this in
-            # a task of its own, and until then the group must not read as over
-            # (wait_ready() would return with the old attempt's slot empty).
-            if first not in pending:
-                return None  # dropped meanwhile (terminate())
-            pending.remove(first)
-            return await self._start_again(first.slots)
-
-        # Started to the end, whatever is asked meanwhile: a slot left with an
-        # attempt that never started would read as finished.
-        try:
-            fresh = await run_to_completion(start_again)
-        except Exception as exc:
-            self._failed_restart(first.failure, exc)
-            return
-        if fresh is None:
-            return
-        self._tracker.restarts += 1
-        self._watch(fresh)
-        self._changed.notify()  # the heartbeat watcher has new ranks to watch
+    async def _stop_attempts(self, ranks: Sequence[RankHandle]) -> bool:
+        """Stop ``ranks`` for a restart, to the end; False if one cannot be reaped."""
+        grace = self._supervision.grace_period
+        shutdown = Shutdown(grace, wait_first=False, on_signal=self._signalled)
+        stuck = await run_to_completion(lambda: shutdown.run(ranks, self._watch_exit))
+        self._stuck += stuck
+        return not stuck
 
     async def _start_again(self, slots: Sequence[int]) -> list[RankHandle]:
         """Make and start the next attempt at each of ``slots``."""
         if len(slots) == len(self._ranks):
             self._launcher.new_rendezvous()
-        fresh = self._make_ranks(slots, [self._restarts[index] + 1 for index in slots])
-        # The old attempts' channels end with them: nothing meant for them
-        # reaches their successors.
-        self._release_channels(self._ranks[rank.rank] for rank in fresh)
+        fresh = self._make_ranks(slots, [self._numbers[index] + 1 for index in slots])
+        self._live.forget(self._ranks[rank.rank] for rank in fresh)
         for rank in fresh:
-            self._channels.pop(self._ranks[rank.rank], None)
             self._faulty.discard(self._ranks[rank.rank])
-            self._restarts[rank.rank] += 1
+            self._numbers[rank.rank] += 1
             self._ranks[rank.rank] = rank
         self._starting = starting = anyio.Event()
         try:
@@ -863,12 +696,7 @@ class Group(Generic[T]):
                 rank.discard()
             raise
         for rank in made:
-            if rank.link is not None:
-                channel = self._channels[rank] = Conversation(
-                    rank, rank.link, self._on_ready, self._on_broken, self._exit_of
-                )
-                if self._channels_closed:
-                    channel.close_sending()
+            self._live.add(rank)
         return made
 
     def _failed_restart(self, failure: Failure, error: Exception | None) -> None:
@@ -887,7 +715,7 @@ class Group(Generic[T]):
                     started = Started(
                         rank=rank.rank,
                         pid=rank.pid,
-                        restart=self._restarts[rank.rank],
+                        restart=self._numbers[rank.rank],
                         time=self._clock(),
                     )
                     self._last_starts[rank.rank] = started
@@ -895,66 +723,26 @@ class Group(Generic[T]):
 
     # ------------------------------------------------------------------ hangs
 
-    async def _watch_heartbeats(self, hangs: HangWatch) -> None:
-        """Find ranks that stopped beating (or never began) and report them hung."""
-        while True:
-            if self._shutdown is not None:  # every rank is being stopped anyway
-                await self._changed.wait()
-                continue
-            check = hangs.find(self._watched(), self._clock())
-            if not check.hung:
-                with anyio.move_on_after(check.next_check):  # or sooner: ranks (re)started
-                    await self._changed.wait()
-                continue
-            # To the end, even if the owner is cancelled meanwhile: the stack
-            # is taken once, and the hang recorded.
-            overdue = check.hung[0]
-            report = functools.partial(self._report_hang, self._ranks[overdue.rank], overdue)
-            await run_to_completion(report)
-
-    def _watched(self) -> list[Watched]:
-        """The running ranks, for the hang watch."""
-        from ._hangs import Watched  # loaded with the hang watch
-
+    def _running_attempts(self) -> Iterator[tuple[RankHandle, float, bool]]:
+        """The attempts that run, with their start time, and whether we stop them (for hangs)."""
         restarting = self._tracker.pending_slots()
-        watched = []
         for rank in self._ranks:
             started = self._last_starts[rank.rank]
-            if not rank.started or rank in self._recorded or started is None:
-                continue
-            stopping = rank in self._faulty or rank in self._probing or rank.rank in restarting
-            watched.append(
-                Watched(
-                    rank=rank.rank,
-                    started=started.time,
-                    last_beat=rank.last_beat(),
-                    stopping=stopping,
-                )
-            )
-        return watched
+            if rank.started and rank not in self._recorded and started is not None:
+                yield rank, started.time, rank in self._faulty or rank.rank in restarting
 
-    async def _report_hang(self, rank: RankHandle, overdue: Overdue) -> None:
-        pid = rank.pid
-        assert pid is not None
-        self._probing.add(rank)
-        try:
-            stack = await rank.stack(STACK_TIMEOUT)
-        finally:
-            self._probing.discard(rank)
+    def _hung(self, rank: RankHandle, hang: Hang) -> None:
         if rank in self._recorded or rank.exit is not None or self._shutdown is not None:
             return  # it exited meanwhile, and that exit is reported as any other
-        self._faulty.add(rank)
-        seconds = overdue.seconds
-        self.events.append(Hung(rank=rank.rank, pid=pid, seconds=seconds, stack=stack))
-        hang = Hang(
-            rank=rank.rank,
-            pid=pid,
-            seconds=seconds,
-            began=overdue.began,
-            timeout=overdue.limit,
-            stack=stack,
+        self.events.append(
+            Hung(rank=rank.rank, pid=hang.pid, seconds=hang.seconds, stack=hang.stack)
         )
-        self._failed(hang)
+        self._faulted(rank, hang)
+
+    def _faulted(self, rank: RankHandle, failure: Failure) -> None:
+        """``rank`` runs, and has failed (hung, or broke its channel): its exit is no cause."""
+        self._faulty.add(rank)
+        self._failed(failure)
         self._changed.notify()
 
     # --------------------------------------------------------------- shutdown

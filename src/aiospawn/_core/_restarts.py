@@ -7,8 +7,13 @@ goes to :meth:`RestartTracker.on_failure`, which answers with a
 consequence of a whole-group restart already under way: not a cause). The
 answer is :func:`decide`, a pure function of the policy, a :class:`GroupView`
 snapshot, the times of recent restarts and ``now``; the tracker only keeps
-those times and the history. Carrying a restart out (stop, back off, start
-again) is the supervisor's part (``_group``).
+those times and the history.
+
+:class:`Restarts` carries the decisions out for the group's owner: it queues
+a restart, and then, one step per call, stops the ranks it stops, backs off,
+and starts the slots again. What that does to the group's slots (which
+attempt holds each, how one is stopped or started) is the group's
+(``_group``), asked for through the callables it passes.
 
 What is kept stays bounded however long a group runs: the times of the
 restarts inside the window (at most ``max_restarts``) and the failures inside
@@ -17,11 +22,17 @@ the window plus the :data:`HISTORY_TAIL` before them.
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
+import anyio
+
 from ._backend import RankHandle
+from ._concurrency import Broadcast, run_to_completion
+from ._events import EventLog, Restarting
+from ._log import logger
 from ._outcome import Failure, RankExit
 from ._policy import RestartPolicy, RestartRecord
 
@@ -221,3 +232,173 @@ class RestartTracker:
         inside = sum(1 for moment, _ in self._history if now - moment < self.policy.window)
         for _ in range(len(self._history) - inside - HISTORY_TAIL):
             self._history.popleft()
+
+
+class Restarts:
+    """Carries out a group's restarts: from a failure the policy absorbs to the fresh attempts.
+
+    One concern: restarts. :meth:`on_failure` asks the tracker what follows a
+    failure and queues the restart it decides; while one is pending, the
+    group's owner calls :meth:`step`. The group's slots are read from the
+    snapshots each call is given (the current attempt at each slot, and its
+    number) and changed only through the callables passed here.
+    """
+
+    def __init__(
+        self,
+        tracker: RestartTracker,
+        *,
+        clock: Callable[[], float],
+        changed: Broadcast,
+        events: EventLog,
+        stop: Callable[[Sequence[RankHandle]], Awaitable[bool]],
+        start_again: Callable[[Sequence[int]], Awaitable[list[RankHandle]]],
+        give_up: Callable[[Failure, Exception | None], None],
+    ) -> None:
+        """Carry out the decisions of ``tracker``.
+
+        Args:
+            tracker: The group's restart state, which the group reads too.
+            clock: The group's monotonic clock (backoffs are timed on it).
+            changed: Notified whenever the group changes.
+            events: The group's event log, for the ``Restarting`` events.
+            stop: Stops running attempts, to the end; False if one of them
+                cannot be reaped (then it cannot be replaced either).
+            start_again: Makes and starts the next attempt at each of the
+                slots; raises what their start raised.
+            give_up: Called when a restart cannot happen, with the failure it
+                answered and the error that stopped it (None: a rank that
+                could not be reaped).
+        """
+        self.tracker = tracker
+        self._clock = clock
+        self._changed = changed
+        self._events = events
+        self._stop = stop
+        self._start_again = start_again
+        self._give_up = give_up
+
+    @property
+    def pending(self) -> bool:
+        """True while a restart is decided and not yet started."""
+        return bool(self.tracker.pending)
+
+    def on_failure(
+        self,
+        failure: Failure,
+        view: GroupView,
+        attempts: Sequence[RankHandle],
+        numbers: Sequence[int],
+    ) -> bool:
+        """Decide what follows ``failure``, and queue the restart if there is one.
+
+        Args:
+            failure: A failure the group did not cause.
+            view: The group now.
+            attempts: The current attempt at each slot.
+            numbers: Each current attempt's number (0: the slot's first).
+
+        Returns:
+            False if the policy gives up (``failure`` is the group's root
+            cause); True if a restart answers it, or a whole-group restart
+            under way explains it.
+        """
+        now = self._clock()
+        decision = self.tracker.on_failure(failure, numbers[failure.rank], view, now, time.time())
+        if decision is None:
+            return True  # the group is being restarted: a consequence, not a cause
+        if isinstance(decision, GiveUp):
+            return False
+        policy = self.tracker.policy
+        assert policy is not None
+        stop = [attempts[index] for index in decision.stop]
+        self.tracker.pending.append(
+            PendingRestart(list(decision.slots), now + decision.delay, stop, failure)
+        )
+        logger.warning(
+            "Rank %d (pid %d) failed (%s); restarting %s in %.3g s (restart %d of at most %d"
+            " within %g s)\n%s",
+            failure.rank,
+            failure.pid,
+            failure.summary(),
+            "the group" if policy.strategy == "one_for_all" else "it",
+            decision.delay,
+            decision.attempt,
+            policy.max_restarts,
+            policy.window,
+            str(failure.exception()).strip("\n"),
+        )
+        return True
+
+    def drop(self) -> set[int]:
+        """Cancel the pending restarts; returns the slots that waited for one."""
+        slots = self.tracker.pending_slots()
+        self.tracker.pending.clear()
+        return slots
+
+    async def step(
+        self, attempts: Sequence[RankHandle], numbers: Sequence[int]
+    ) -> list[RankHandle]:
+        """Make progress on the pending restarts: stop, back off, or start again.
+
+        Returns after each step, or when something changed, so that the
+        owner looks at the group afresh (a new failure, a shutdown).
+
+        Args:
+            attempts: The current attempt at each slot.
+            numbers: Each current attempt's number.
+
+        Returns:
+            The attempts this step started, for the owner to watch (empty if
+            it started none).
+        """
+        pending = self.tracker.pending
+        stop = [rank for restart in pending for rank in restart.stop]
+        if stop:
+            failure = pending[0].failure
+            for restart in pending:
+                restart.stop = []
+            if not await self._stop(stop):
+                self._give_up(failure, None)
+            return []
+        now = self._clock()
+        for restart in pending:
+            if not restart.announced:
+                restart.announced = True
+                for index in restart.slots:
+                    self._events.append(
+                        Restarting(
+                            rank=index,
+                            pid=attempts[index].pid,
+                            attempt=numbers[index] + 1,
+                            delay=max(0.0, restart.due - now),
+                        )
+                    )
+        first = min(pending, key=lambda restart: restart.due)
+        with anyio.move_on_after(first.due - now):
+            await self._changed.wait()
+            return []
+        if first not in pending:
+            # Dropped meanwhile: terminate(), or a failure the policy gave up
+            # on (the group drops its pending restarts as it finishes).
+            return []
+
+        async def start_again() -> list[RankHandle]:
+            # Removed only here: under asyncio, run_to_completion starts this in
+            # a task of its own, and until then the group must not read as over
+            # (wait_ready() would return with the old attempt's slot empty).
+            if first not in pending:
+                return []  # dropped meanwhile (terminate())
+            pending.remove(first)
+            return await self._start_again(first.slots)
+
+        # Started to the end, whatever is asked meanwhile: a slot left with an
+        # attempt that never started would read as finished.
+        try:
+            fresh = await run_to_completion(start_again)
+        except Exception as exc:
+            self._give_up(first.failure, exc)
+            return []
+        if fresh:
+            self.tracker.restarts += 1
+        return fresh
