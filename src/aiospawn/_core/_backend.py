@@ -8,13 +8,16 @@ local backend (``aiospawn._local``) runs ranks as child processes;
 ``aiospawn.ray.RayBackend`` runs them as Ray actors.
 
 A rank handle is one *attempt* at a rank: a restarted rank is a new handle
-in the same slot, made by the same launcher.
+in the same slot, made by the same launcher. :class:`RankHandle` is what
+every backend's handles do; what only some can do is a capability of its own
+(:class:`HasHeartbeats`, :class:`HasStacks`, :class:`HasProcess`), which the
+core checks for before it asks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from ._capture import CaptureBuffer
 from ._outcome import RankExit
@@ -99,10 +102,6 @@ class RankHandle(Protocol):
         """The id of the process running the rank, once started."""
 
     @property
-    def process(self) -> Any:
-        """The ``multiprocessing`` process object, or ``None`` if there is none."""
-
-    @property
     def exit(self) -> RankExit | None:
         """How the attempt ended, once it has ended and been cleaned up."""
 
@@ -130,11 +129,21 @@ class RankHandle(Protocol):
         if the rank is not running (not started, or already exited).
         """
 
+
+@runtime_checkable
+class HasHeartbeats(Protocol):
+    """A rank handle that can tell when its rank last beat (an optional capability)."""
+
     def last_beat(self) -> float | None:
         """``time.monotonic()`` of the rank's last heartbeat, or None if none yet.
 
         Only asked when the group watches heartbeats (see ``LaunchSpec``).
         """
+
+
+@runtime_checkable
+class HasStacks(Protocol):
+    """A rank handle that can take its running rank's Python stacks (an optional capability)."""
 
     async def stack(self, patience: float) -> str | None:
         """The Python stacks of every thread of the running rank, or None.
@@ -142,6 +151,15 @@ class RankHandle(Protocol):
         None when the rank did not answer within ``patience`` seconds (it blocks
         every signal, or is stuck in the kernel) or the backend cannot ask.
         """
+
+
+@runtime_checkable
+class HasProcess(Protocol):
+    """A rank handle with a ``multiprocessing`` process object (an optional capability)."""
+
+    @property
+    def process(self) -> Any:
+        """The ``multiprocessing`` process object."""
 
 
 class GroupLauncher(Protocol):

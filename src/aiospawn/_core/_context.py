@@ -14,7 +14,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from types import TracebackType
 from typing import Any, Generic, Self, TypeVar, final
 
-from ._backend import Backend
+from ._backend import Backend, HasProcess
 from ._capture import OutputLine
 from ._channel import RankChannel
 from ._events import Event, GroupStatistics
@@ -62,8 +62,13 @@ class AsyncProcessContext(Generic[T]):
 
     @property
     def processes(self) -> list[Any]:
-        """The ``multiprocessing`` process objects of the current attempts, index = rank."""
-        return [rank.process for rank in self._group.attempts]
+        """The ``multiprocessing`` process objects of the current attempts, index = rank.
+
+        ``None`` for a rank whose backend has none (Ray).
+        """
+        return [
+            rank.process if isinstance(rank, HasProcess) else None for rank in self._group.attempts
+        ]
 
     def pids(self) -> list[int]:
         """The ranks' process ids (of their current attempts), index = rank."""

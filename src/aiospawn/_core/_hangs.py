@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import anyio
 
-from ._backend import RankHandle
+from ._backend import HasHeartbeats, HasStacks, RankHandle
 from ._concurrency import Broadcast, run_to_completion
 from ._outcome import Hang
 
@@ -163,7 +163,7 @@ class HangMonitor:
             watched = []
             for rank, started, stopping in self._running():
                 attempts[rank.rank] = rank
-                last_beat = rank.last_beat()
+                last_beat = rank.last_beat() if isinstance(rank, HasHeartbeats) else None
                 watched.append(
                     Watched(rank=rank.rank, started=started, last_beat=last_beat, stopping=stopping)
                 )
@@ -181,7 +181,7 @@ class HangMonitor:
     async def _probe(self, rank: RankHandle, overdue: Overdue) -> None:
         pid = rank.pid
         assert pid is not None
-        stack = await rank.stack(STACK_TIMEOUT)
+        stack = await rank.stack(STACK_TIMEOUT) if isinstance(rank, HasStacks) else None
         hang = Hang(
             rank=rank.rank,
             pid=pid,

@@ -85,11 +85,6 @@ class RayRank:
         return self._pid
 
     @property
-    def process(self) -> None:
-        """There is no local process object."""
-        return None
-
-    @property
     def node(self) -> tuple[str, str] | None:
         """``(node_id, address)`` of the node the rank runs on, once started."""
         return self._node
@@ -160,15 +155,6 @@ class RayRank:
         else:
             self._post(self._key, signum)
         return True
-
-    def last_beat(self) -> float | None:
-        """Heartbeats do not cross machines: always None."""
-        return None
-
-    async def stack(self, patience: float) -> str | None:
-        """Stacks are not collected from Ray ranks: always None."""
-        await checkpoint()
-        return None
 
     def _finish(self, future: Future[Any]) -> None:
         ray = self._ray
