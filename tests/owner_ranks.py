@@ -47,3 +47,11 @@ def write_then_report(rank: int, size: int, report: Connection) -> str:
     sys.stdout.flush()
     report.send("written")
     return "done"
+
+
+def return_or_wait(rank: int, returning: int) -> str:
+    """Rank ``returning`` returns at once; the others run until stopped."""
+    if rank == returning:
+        return f"rank {rank}"
+    sleep_forever(rank)
+    raise AssertionError("unreachable: a signal ends the wait")

@@ -147,3 +147,17 @@ def test_a_group_nobody_joined_is_stopped_and_reaped_when_its_event_loop_ends(
     # The loop's end cancelled the owner, which stopped the ranks politely and reaped them.
     assert all(is_reaped(pid) for pid in pids)
     assert sorted(drain(reader)) == [("SIGTERM", 0), ("SIGTERM", 1)]
+
+
+@pytest.mark.both_loops
+async def test_leaving_a_block_after_its_own_terminate_raises_nothing() -> None:
+    async with aiospawn.open_group(owner_ranks.return_or_wait, (0,), nprocs=2) as ctx:
+        with tripwire(60, "rank 0's return"):
+            async with contextlib.aclosing(ctx.events()) as events:
+                async for event in events:
+                    if isinstance(event, aiospawn.Exited) and event.rank == 0:
+                        break
+        await ctx.terminate(grace_period=5)
+    # What the rank that finished returned; None for the rank the stop ended.
+    assert ctx.results == ["rank 0", None]
+    assert ctx.statistics().alive == 0

@@ -367,7 +367,12 @@ async def open_group(
     * when a rank fails while the block runs, the block is cancelled at once,
       the other ranks are shut down, and the ``async with`` raises the rank's
       :class:`ProcessRaisedException` or :class:`ProcessExitedException`
-      itself, not wrapped in an ExceptionGroup.
+      itself, not wrapped in an ExceptionGroup;
+    * when the block stopped the group itself (``await ctx.terminate()``)
+      before any rank failed, the exit raises nothing: ``ctx.results`` holds
+      what the ranks that finished returned, and ``None`` for each rank the
+      stop ended. (``join()`` of a ``start_processes(join=False)`` context
+      after ``terminate()`` raises, as torch's does.)
 
     Args: as for :func:`start_processes`, and
 

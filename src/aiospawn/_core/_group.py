@@ -197,6 +197,7 @@ class Group(Generic[T]):
         self._done = anyio.Event()  # the owner has ended: every rank reaped, all released
         self._exits_seen = 0
         self._exits_reported = 0  # ... of which wait_step() has returned for
+        self._terminated = False  # terminate() was asked before any failure
         # As torch's groups do, aiospawn.sync's act on a failure in join().
         self._failure_waits_for_join = _failure_waits_for_join.get()
 
@@ -349,6 +350,8 @@ class Group(Generic[T]):
 
     async def terminate(self, grace_period: float | None) -> None:
         """``AsyncProcessContext.terminate()``, its argument checked."""
+        if self._root is None:
+            self._terminated = True  # a block that ends now ends without an error
         await self._stop(grace_period)
 
     @property
@@ -386,6 +389,12 @@ class Group(Generic[T]):
             # and let its exception through, unwrapped.
             await self._stop(None)
             return False
+        if exc is None and self._terminated and self._root is None:
+            # The block's own terminate() stopped the group: not an error.
+            await run_to_completion(self._done.wait)
+            if self._root is None:
+                await self._collect_results(stopped_as_none=True)
+                return False
         # The block ended, or we cancelled it because a rank failed: finish as
         # join() does, which raises that failure.
         await self.join(None, None)
@@ -436,7 +445,7 @@ class Group(Generic[T]):
         while not self._done.is_set() and any(rank not in self._recorded for rank in ended):
             await self._changed.wait()
 
-    async def _collect_results(self) -> None:
+    async def _collect_results(self, *, stopped_as_none: bool = False) -> None:
         # One decoding at a time: it lets the pickles go once it has succeeded.
         while self._results is None:
             if self._decoding is not None:
@@ -444,7 +453,8 @@ class Group(Generic[T]):
                 continue  # decoded, or failed: then decode (and fail) here too
             self._decoding = decoding = anyio.Event()
             try:
-                self._results = await decode_results([rank.exit for rank in self._ranks])
+                exits = [rank.exit for rank in self._ranks]
+                self._results = await decode_results(exits, stopped_as_none=stopped_as_none)
             finally:
                 self._decoding = None
                 decoding.set()

@@ -352,8 +352,13 @@ def group_error(
     return error
 
 
-async def decode_results(exits: Sequence[RankExit | None]) -> list[Any]:
+async def decode_results(
+    exits: Sequence[RankExit | None], *, stopped_as_none: bool = False
+) -> list[Any]:
     """Unpickle what every rank returned, index = rank, on a worker thread.
+
+    With ``stopped_as_none``, a rank that a requested stop ended (it did not
+    return) reads as ``None``.
 
     Always off the loop: unpickling runs the ranks' code (a class's module
     import, a ``__reduce__`` callable), which may take any time whatever the
@@ -365,13 +370,16 @@ async def decode_results(exits: Sequence[RankExit | None]) -> list[Any]:
             is missing, or its unpickling raised, ``SystemExit`` included),
             naming the rank.
     """
-    return await anyio.to_thread.run_sync(_decode, exits)
+    return await anyio.to_thread.run_sync(_decode, exits, stopped_as_none)
 
 
-def _decode(exits: Sequence[RankExit | None]) -> list[Any]:
+def _decode(exits: Sequence[RankExit | None], stopped_as_none: bool) -> list[Any]:
     values = []
     for exit in exits:
         assert exit is not None
+        if stopped_as_none and exit.stopped_by_us and not exit.succeeded:
+            values.append(None)
+            continue
         values.append(exit.value())  # raises the rank's ProcessRaisedException
     for exit in exits:
         assert exit is not None
