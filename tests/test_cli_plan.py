@@ -17,7 +17,7 @@ import pytest
 import aiospawn
 from aiospawn._cli._parse import UsageError, parse
 from aiospawn._cli._plan import Plan
-from aiospawn._core._spec import max_nprocs
+from aiospawn._local._limits import max_nprocs
 from aiospawn._rank.programs import rank_script
 from tests.cli_helpers import PROGRAMS, REPO, basetemp_first, program
 

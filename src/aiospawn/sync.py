@@ -70,7 +70,8 @@ from ._api import warn_spawn_only
 from ._core._context import AsyncProcessContext, group_of
 from ._core._errors import ProcessException, ProcessExitedException, ProcessRaisedException
 from ._core._log import log_as
-from ._core._spec import check_seconds, resolve_start_method
+from ._core._spec import check_seconds
+from ._local._strategy import resolve_start_method
 
 __all__ = [
     "ENV_VAR_PARALLEL_START",
