@@ -109,6 +109,33 @@ def test_more_ranks_than_this_process_can_hold_is_a_usage_error_of_the_plan() ->
 
 
 @pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (
+            ["--ray", "auto", "--heartbeat-timeout", "5"],
+            "--heartbeat-timeout and --startup-timeout are not available with --ray:",
+        ),
+        (["--ray", "auto", "--preload", "json"], "--preload warm-starts local ranks"),
+        (
+            ["--start-method", "fork", "--preload", "json"],
+            "--preload forks ranks from a spawned template; --start-method fork copies",
+        ),
+        (["--ray", "auto", "--devices", "0,1"], "--devices 0,1 names devices of this machine;"),
+    ],
+    ids=["ray-heartbeats", "ray-preload", "fork-preload", "ray-devices"],
+)
+def test_what_the_backend_refuses_is_a_usage_error_in_flag_names(
+    options: list[str], message: str
+) -> None:
+    # The backend's own check, in the command line's words: and with --ray,
+    # without Ray (none needs to be installed to refuse).
+    with pytest.raises(UsageError) as refused:
+        plan("-n", "2", *options, program("touch.py"))
+    assert str(refused.value).startswith(message)
+    assert "=" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
     ("options", "expected"),
     [
         (["-n", "2", "--preload", "json"], {"OMP_NUM_THREADS": "1"}),
