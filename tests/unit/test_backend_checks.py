@@ -1,4 +1,4 @@
-"""Each backend's refusals (``Backend.check``) and the local start strategy, with no process started."""
+"""Each backend's refusals (``Backend.check``) and the local start strategy; no process starts."""
 
 from __future__ import annotations
 
