@@ -35,7 +35,8 @@ forks then run on threads as other starts do (the template answers at once).
 Light on purpose: the group's check imports it before the supervisor's
 modules, so that a first ``forkserver`` group's server starts up meanwhile
 (:meth:`Strategy.prepare`); what making and starting ranks needs (the rank
-bootstrap, the templates, the seam's start error) is imported when it is used.
+bootstrap and its wire format, the templates, the seam's start error) is
+imported when it is used.
 """
 
 from __future__ import annotations
@@ -52,9 +53,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import anyio
 import anyio.to_thread
-from anyio.lowlevel import checkpoint
 
-from . import _pipes
 from ._pickling import SendPayload, check_by_value, goes_by_value, interactive_main
 
 if TYPE_CHECKING:
@@ -337,6 +336,8 @@ async def start_ranks(ranks: Sequence[LocalRank], *, on_threads: bool) -> None:
     Raises:
         Exception: The start error of the lowest failing rank, with a note naming it.
     """
+    from anyio.lowlevel import checkpoint
+
     from aiospawn._core._backend import raise_start_error
 
     errors: dict[int, Exception] = {}
@@ -393,6 +394,8 @@ def _fork_table() -> Mapping[int, tuple[int, int]]:
     weakly and read at each fork, so a loop that closed its sockets (their
     ``fileno()`` is -1 then) or is gone leaves no stale number behind.
     """
+    from . import _pipes
+
     with _wakeup_lock:
         _wakeup_sockets.update(_loop_wakeup_sockets())
         sockets = {}
