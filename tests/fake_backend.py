@@ -415,9 +415,7 @@ async def start_group(
 ) -> AsyncProcessContext[Any]:
     """Start a group of ``nprocs`` fake ranks, supervised on the backend's clock."""
     output = make_output_spec("inherit", "inherit", False, DEFAULT_PREFIX)
-    spec = make_spec(
-        _never_called, (), nprocs, "fork", False, output=output, check_importable=False
-    )
+    spec = make_spec(_never_called, (), nprocs, "fork", False, output=output)
     supervision = Supervision(
         grace_period=grace_period,
         restart=restart,

@@ -18,7 +18,7 @@ import anyio
 import pytest
 
 import aiospawn
-from aiospawn._core._spec import max_nprocs
+from aiospawn._local._limits import max_nprocs
 from tests import ranks
 from tests.helpers import Events, cancel_once_ready, drain, is_reaped, receive, receive_ready
 

@@ -22,7 +22,8 @@ from typing import Any
 import pytest
 
 import aiospawn
-from aiospawn._core._spec import fds_per_rank, make_output_spec, max_nprocs
+from aiospawn._core._spec import make_output_spec
+from aiospawn._local._limits import fds_per_rank, max_nprocs
 from tests import hostile_ranks, ranks
 from tests.cli_helpers import environ, run
 

@@ -31,7 +31,7 @@ from typing import Any
 import psutil
 import pytest
 
-from aiospawn._core._spec import max_nprocs
+from aiospawn._local._limits import max_nprocs
 from tests.cli_helpers import (
     LAUNCHER,
     PREFIXED,

@@ -18,7 +18,7 @@ import pytest
 import aiospawn
 from aiospawn._cli._parse import UsageError, parse, parser
 from aiospawn._cli._plan import Plan
-from aiospawn._core._spec import max_nprocs
+from aiospawn._local._limits import max_nprocs
 from aiospawn._rank.programs import rank_script
 from tests.cli_helpers import PROGRAMS, REPO, basetemp_first, program
 
@@ -150,6 +150,33 @@ def test_more_ranks_than_this_process_can_hold_is_a_usage_error_of_the_plan() ->
     with pytest.raises(UsageError) as refused:
         plan("-n", str(too_many), program("touch.py"))
     assert str(refused.value).startswith(f"-n {too_many} is more than this process can supervise")
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (
+            ["--ray", "auto", "--heartbeat-timeout", "5"],
+            "--heartbeat-timeout and --startup-timeout are not available with --ray:",
+        ),
+        (["--ray", "auto", "--preload", "json"], "--preload warm-starts local ranks"),
+        (
+            ["--start-method", "fork", "--preload", "json"],
+            "--preload forks ranks from a spawned template; --start-method fork copies",
+        ),
+        (["--ray", "auto", "--devices", "0,1"], "--devices 0,1 names devices of this machine;"),
+    ],
+    ids=["ray-heartbeats", "ray-preload", "fork-preload", "ray-devices"],
+)
+def test_what_the_backend_refuses_is_a_usage_error_in_flag_names(
+    options: list[str], message: str
+) -> None:
+    # The backend's own check, in the command line's words: and with --ray,
+    # without Ray (none needs to be installed to refuse).
+    with pytest.raises(UsageError) as refused:
+        plan("-n", "2", *options, program("touch.py"))
+    assert str(refused.value).startswith(message)
+    assert "=" not in str(refused.value)
 
 
 @pytest.mark.parametrize(

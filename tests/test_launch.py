@@ -1,4 +1,4 @@
-"""Starting ranks (``aiospawn._local._launcher``): concurrent starts, threads that exit,
+"""Starting ranks (``aiospawn._local._strategy``): concurrent starts, threads that exit,
 parent death, and start failures."""
 
 from __future__ import annotations

@@ -215,44 +215,54 @@ def test_the_core_imports_no_backend_and_no_rank_bootstrap() -> None:
     assert not forbidden, f"aiospawn._core imported {sorted(forbidden)}"
 
 
-def package_imports() -> dict[str, set[str]]:
-    """Module -> the aiospawn modules it imports at its top level (TYPE_CHECKING included)."""
+def module_name(path: Path) -> str:
+    """The dotted name of the module at ``path``, a file under ``src/``."""
+    parts = list(path.relative_to(ROOT / "src").with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module a source file imports, anywhere in it.
+
+    At its top, under ``if TYPE_CHECKING:``, or inside a function: an import
+    deferred to the first call is still a dependency. ``from package import
+    name`` counts as importing ``package.name`` when that is a module.
+    """
     import ast
 
-    source = ROOT / "src"
-    graph: dict[str, set[str]] = {}
-    for path in (source / "aiospawn").rglob("*.py"):
-        parts = list(path.relative_to(source).with_suffix("").parts)
-        is_package = parts[-1] == "__init__"
-        if is_package:
-            parts.pop()
-        name = ".".join(parts)
-        edges: set[str] = set()
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-        nodes = [
-            *tree.body,
-            *(node for stmt in tree.body if isinstance(stmt, ast.If) for node in stmt.body),
-        ]
-        for node in nodes:
-            if isinstance(node, ast.ImportFrom):
-                if node.level:
-                    anchor = parts if is_package else parts[:-1]
-                    base = ".".join(anchor[: len(anchor) - node.level + 1])
-                    target = f"{base}.{node.module}" if node.module else base
-                else:
-                    target = node.module or ""
-                if target.startswith("aiospawn"):
-                    edges.add(target)
-                    folder = source / Path(*target.split("."))
-                    edges.update(
-                        f"{target}.{alias.name}"
-                        for alias in node.names
-                        if (folder / f"{alias.name}.py").exists()
-                    )
-            elif isinstance(node, ast.Import):
-                edges.update(a.name for a in node.names if a.name.startswith("aiospawn"))
-        graph[name] = edges - {name}
-    return graph
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                anchor = package.split(".")
+                base = ".".join(anchor[: len(anchor) - node.level + 1])
+                target = f"{base}.{node.module}" if node.module else base
+            else:
+                target = node.module or ""
+            folder = ROOT / "src" / Path(*target.split("."))
+            modules = {
+                f"{target}.{alias.name}"
+                for alias in node.names
+                if (folder / f"{alias.name}.py").exists() or (folder / alias.name).is_dir()
+            }
+            # The package itself runs too, and its names, if any, are imported from it.
+            found.add(target)
+            found.update(modules)
+    return found - {name}
+
+
+def package_imports() -> dict[str, set[str]]:
+    """Module -> the aiospawn modules it imports, anywhere in it (see :func:`imports_of`)."""
+    return {
+        module_name(path): {name for name in imports_of(path) if name.startswith("aiospawn")}
+        for path in (ROOT / "src" / "aiospawn").rglob("*.py")
+    }
 
 
 def test_the_package_has_no_import_cycle() -> None:
@@ -277,6 +287,47 @@ def test_the_package_has_no_import_cycle() -> None:
         if name not in state:
             visit(name, [name])
     assert not cycles, f"import cycles: {cycles}"
+
+
+#: The standard library modules the core must not import (its package docstring):
+#: how local processes are made, pickled for and limited is the local backend's.
+CORE_FORBIDS = frozenset({"multiprocessing", "resource"})
+
+#: Of aiospawn's own modules, the core imports only its own and the rank's wire format.
+CORE_MAY_IMPORT = ("aiospawn._core", "aiospawn._rank.wire")
+
+
+def core_import_allowed(name: str) -> bool:
+    """True if ``aiospawn._core``'s import rule lets it import the module ``name``."""
+    top = name.partition(".")[0]
+    if top == "aiospawn":
+        return name == "aiospawn._rank" or any(
+            name == allowed or name.startswith(allowed + ".") for allowed in CORE_MAY_IMPORT
+        )
+    if top in CORE_FORBIDS:
+        return False
+    return top in sys.stdlib_module_names or top in ("__future__", "anyio")
+
+
+def test_the_core_imports_only_what_its_docstring_allows() -> None:
+    broken = {
+        f"{module_name(path)} imports {name}"
+        for path in (ROOT / "src" / "aiospawn" / "_core").glob("*.py")
+        for name in imports_of(path)
+        if not core_import_allowed(name)
+    }
+    assert not broken, sorted(broken)
+
+
+def test_the_core_import_rule_is_the_one_its_docstring_states() -> None:
+    import aiospawn._core
+
+    rule = " ".join((aiospawn._core.__doc__ or "").split())
+    for forbidden in ("aiospawn._local", "aiospawn.ray", *sorted(CORE_FORBIDS)):
+        assert f"``{forbidden}``" in rule.partition("Import rule:")[2], forbidden
+    assert not core_import_allowed("aiospawn._local._strategy")
+    assert not core_import_allowed("cloudpickle")
+    assert core_import_allowed("aiospawn._rank.wire")
 
 
 def test_public_names_report_the_package_as_their_module() -> None:

@@ -518,13 +518,12 @@ def test_layout_numbers_ranks_node_by_node() -> None:
 
 def test_devices_per_rank_is_each_ranks_gpus() -> None:
     from aiospawn._core._spec import make_output_spec, make_spec
+    from aiospawn.ray import check_group
     from aiospawn.ray._launcher import rank_resources
 
-    def spec(**devices: int | None) -> Any:
+    def spec(**devices: Any) -> Any:
         output = make_output_spec("inherit", "inherit", False, "[rank{rank}]: ")
-        return make_spec(
-            ray_ranks.square, (), 2, "spawn", False, output=output, local_devices=False, **devices
-        )
+        return make_spec(ray_ranks.square, (), 2, "spawn", False, output=output, **devices)
 
     assert rank_resources(spec(devices_per_rank=2), {"CPU": 1}) == {"CPU": 1, "GPU": 2}
     assert rank_resources(spec(devices_per_rank=0), {"CPU": 1, "GPU": 0}) == {"CPU": 1}
@@ -532,16 +531,7 @@ def test_devices_per_rank_is_each_ranks_gpus() -> None:
     with pytest.raises(ValueError, match="different numbers of GPUs"):
         rank_resources(spec(devices_per_rank=1), {"CPU": 1, "GPU": 2})
     with pytest.raises(ValueError, match="names devices of this machine"):
-        make_spec(
-            ray_ranks.square,
-            (),
-            2,
-            "spawn",
-            False,
-            output=make_output_spec("inherit", "inherit", False, ""),
-            local_devices=False,
-            devices=[0, 1],
-        )
+        check_group(spec(devices=[0, 1]))
 
 
 async def test_other_jobs_can_neither_find_nor_signal_our_ranks(cluster: LocalCluster) -> None:

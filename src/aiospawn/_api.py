@@ -2,7 +2,10 @@
 
 The supervisor's modules are imported by the first call, not with this module:
 a first ``forkserver`` call starts the fork server as soon as its arguments
-are checked, and imports them while the server starts up (``_local._forkserver``).
+are checked, and imports them while the server starts up (the local backend's
+``prepare``). The arguments are checked twice over, before anything starts:
+what every backend requires (``_core._spec.make_spec``), then what the chosen
+backend can run (``Backend.check``).
 """
 
 from __future__ import annotations
@@ -21,8 +24,6 @@ from typing import (
     Unpack,
     overload,
 )
-
-import anyio.to_thread
 
 from ._core._notebook import default_stream_mode, signals_wake_the_loop
 
@@ -433,10 +434,6 @@ async def _start_group(
     check_seconds("startup_timeout", supervision.startup_timeout, positive=True)
     if supervision.restart is not None and not isinstance(supervision.restart, RestartPolicy):
         raise TypeError(f"restart must be an aiospawn.RestartPolicy, got {supervision.restart!r}")
-    # A backend given is never the local one: LocalBackend is private.
-    local = options.get("backend") is None
-    if options.get("preload") and not local:
-        raise ValueError("preload= forks local ranks from a template; other backends have none")
     output = make_output_spec(
         options.get("stdout", default_stream_mode()),
         options.get("stderr", default_stream_mode()),
@@ -454,15 +451,18 @@ async def _start_group(
         torchrun_env=options.get("torchrun_env", False),
         heartbeats=supervision.watches_heartbeats,
         preload=options.get("preload"),
-        # Other backends ship fn their own way (Ray: cloudpickle, by value).
-        check_importable=local,
         devices_per_rank=options.get("devices_per_rank"),
         devices=options.get("devices"),
-        # Elsewhere devices are the node's, which the backend hands out (Ray: num_gpus).
-        local_devices=local,
         rank_loop=options.get("rank_loop", "asyncio"),
     )
-    if refuse_capture and spec.output.captures:
+    from ._local._backend import LocalBackend
+
+    # A backend given is never the local one: LocalBackend is private.
+    backend = options.get("backend") or LocalBackend()
+    backend.check(spec)
+    # Per-rank output options are resolved by now if the check read them; if not, here.
+    captures = spec.output.captures
+    if refuse_capture and captures:
         # With join=True the caller never holds the context, so nobody could
         # iterate ctx.output(): the lines would pile up unread.
         raise ValueError(
@@ -470,14 +470,9 @@ async def _start_group(
             " no way to iterate; use `async with aiospawn.open_group(...) as ctx`, or"
             " start_processes(..., join=False), and iterate ctx.output()"
         )
-    if local and spec.start_method == "forkserver" and not spec.preload:
-        from ._local import _forkserver
-
-        if not _forkserver.started_here():
-            # It forks, execs and waits for the exec.
-            await anyio.to_thread.run_sync(_forkserver.start_early)
+    if isinstance(backend, LocalBackend):
+        # Before the supervisor's modules are imported: a fork server starts up meanwhile.
+        await backend.prepare(spec)
     from ._core._context import AsyncProcessContext
-    from ._local._launcher import LocalBackend
 
-    backend = options.get("backend") or LocalBackend()
     return await AsyncProcessContext._start(spec, supervision, backend)

@@ -57,7 +57,8 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVarTuple, overload
 from . import _torch_mp
 from ._api import warn_spawn_only
 from ._core._errors import ProcessException, ProcessExitedException, ProcessRaisedException
-from ._core._spec import check_seconds, resolve_start_method
+from ._core._spec import check_seconds
+from ._local._strategy import resolve_start_method
 from ._sync import _blocking_group
 from ._sync._interrupts import with_ctrl_c_deferred
 from ._sync._loop_guard import refuse_inside_event_loop

@@ -2,7 +2,11 @@
 
 Everything that can be refused is refused here, before anything starts:
 torchrun's rendezvous flags (with the reason), options that contradict each
-other, devices that do not fit. The output options, in aiospawn's spelling
+other, and what the backend cannot run (too many ranks, devices that do not
+fit, ``--preload`` where no template can be): the group the command line
+describes goes through the library's own checks (``make_spec``, then the
+backend's ``check``), whose messages are put in the command line's words
+(:func:`_cli_spelling`). The output options, in aiospawn's spelling
 (``--stdout``, ``--log-dir``, ``--tee``) or torchrun's (``-r``, ``-t``,
 ``--local-ranks-filter``), become one mode per rank and stream.
 """
@@ -10,10 +14,12 @@ other, devices that do not fit. The output options, in aiospawn's spelling
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import importlib.util
 import math
 import os
+import re
 import shutil
 import signal
 import sys
@@ -22,13 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import aiospawn
 from aiospawn._core._env import visible_devices
-from aiospawn._core._spec import (
-    DEFAULT_PREFIX,
-    assign_devices,
-    check_nprocs,
-    fds_per_rank,
-    make_output_spec,
-)
+from aiospawn._core._spec import DEFAULT_PREFIX, make_output_spec, make_spec
 from aiospawn._rank.programs import (
     rank_function,
     rank_module,
@@ -89,13 +89,6 @@ class Plan:
         self.role: str = options.role
         self.run_id: str = options.run_id or uuid.uuid4().hex
         self.ray: str | None = options.ray
-        if self.preload and self.ray is not None:
-            raise UsageError("--preload forks local ranks from a template; --ray ranks have none")
-        if self.preload and self.start_method == "fork":
-            raise UsageError(
-                "--preload forks ranks from a template; --start-method fork copies the"
-                " launcher instead: use --start-method spawn (or forkserver) with --preload"
-            )
         if options.placement is not None and self.ray is None:
             raise UsageError("--placement is for --ray ADDRESS")
         self.placement: str = options.placement or "PACK"
@@ -112,7 +105,7 @@ class Plan:
         self.devices_per_rank, self.devices = _devices(options)
         self.virtual_local_rank: bool = options.virtual_local_rank
         self._output(options)
-        self._check_capacity()
+        self._check_backend()
         # Beside the torchrun_env variables; --env wins over both.
         self.user_env = dict(options.env)
         self.omp_note = (
@@ -174,21 +167,37 @@ class Plan:
             lambda rank: self.streams(rank)["stderr"]
         )
 
-    def _check_capacity(self) -> None:
-        """Refuse more ranks than this process can hold, as the start would, but first.
+    def _check_backend(self) -> None:
+        """Refuse what the backend cannot run, as the start would, but first.
 
         A usage error must come before any note, and before anything starts.
         """
         stdout, stderr = self.stream_modes()
-        heartbeats = self.heartbeat_timeout is not None or self.startup_timeout is not None
         try:
-            check_nprocs(self.nprocs)  # cheap: before the per-rank modes are read
-            output = make_output_spec(stdout, stderr, self.teed, self.prefix)
-            check_nprocs(self.nprocs, fds_per_rank(output.for_group(self.nprocs), heartbeats))
-        except ValueError as exc:
-            raise UsageError(
-                str(exc).replace(f"nprocs={self.nprocs}", f"-n {self.nprocs}", 1)
-            ) from None
+            spec = make_spec(
+                self.fn,
+                self.args,
+                self.nprocs,
+                self.start_method,
+                False,
+                output=make_output_spec(stdout, stderr, self.teed, self.prefix),
+                torchrun_env=True,
+                heartbeats=self.heartbeat_timeout is not None or self.startup_timeout is not None,
+                preload=self.preload,
+                devices_per_rank=self.devices_per_rank,
+                devices=self.devices,
+            )
+            if self.ray is None:
+                from aiospawn._local._backend import LocalBackend
+
+                LocalBackend().check(spec)
+            else:
+                # Not a RayBackend: its refusals need no Ray, making one does.
+                from aiospawn.ray import check_group
+
+                check_group(spec)
+        except (TypeError, ValueError) as exc:
+            raise UsageError(_cli_spelling(str(exc))) from None
 
     def _output(self, options: argparse.Namespace) -> None:
         """Where each rank's streams go, in aiospawn's spelling or torchrun's."""
@@ -419,22 +428,52 @@ def _devices(options: argparse.Namespace) -> tuple[int | None, list[str] | None]
         if devices is None and not visible_devices():
             # As torchrun does with no CUDA_VISIBLE_DEVICES: rank r sees device r.
             devices = [str(rank) for rank in range(options.nprocs)]
-    if options.ray is not None and devices is not None:
-        raise UsageError(
-            "--devices names this machine's devices; with --ray give --devices-per-rank N,"
-            " and Ray gives each rank N GPUs of its node"
-        )
-    if options.ray is None and (per_rank is not None or devices is not None):
-        # Checked here too, so that a count that does not fit is a usage error.
-        try:
-            assign_devices(options.nprocs, per_rank, devices)
-        except ValueError as exc:
-            raise UsageError(_cli_spelling(str(exc))) from None
     return per_rank, devices
 
 
+#: The library's option names, as the command line spells them.
+FLAGS = {
+    "nprocs": "-n",
+    "start_method": "--start-method",
+    "preload": "--preload",
+    "devices_per_rank": "--devices-per-rank",
+    "devices": "--devices",
+    "heartbeat_timeout": "--heartbeat-timeout",
+    "startup_timeout": "--startup-timeout",
+}
+
+#: An option name, alone or as ``name=value`` (a value is a number, a quoted
+#: string or a list); not part of a longer name, nor already a flag.
+_OPTION = re.compile(
+    rf"(?<![\w-])({'|'.join(sorted(FLAGS, key=len, reverse=True))})"
+    r"(?:=(\[[^\]]*\]|'[^']*'|[^\s,;:)]+)?)?(?![\w=])"
+)
+
+
 def _cli_spelling(message: str) -> str:
-    return message.replace("devices_per_rank", "--devices-per-rank").replace(
+    """A refusal of the library's, in the command line's words: flags for options.
+
+    ``start_method='fork'`` becomes ``--start-method fork``, ``preload=``
+    becomes ``--preload``, ``RayBackend`` becomes ``--ray``. Alone, a name is
+    taken for its option unless it is also a plain word ("devices").
+    """
+
+    def flag(match: re.Match[str]) -> str:
+        name, value = match.group(1), match.group(2)
+        if "=" not in match.group(0) and name == "devices":
+            return match.group(0)
+        if value is None:
+            return FLAGS[name]
+        with contextlib.suppress(ValueError, SyntaxError):
+            parsed = ast.literal_eval(value)
+            if isinstance(parsed, list | tuple):
+                value = ",".join(map(str, parsed))
+            elif isinstance(parsed, str):
+                value = parsed
+        return f"{FLAGS[name]} {value}"
+
+    message = _OPTION.sub(flag, message)
+    return message.replace("RayBackend", "--ray").replace(
         "name the devices to use", "name them with --devices"
     )
 

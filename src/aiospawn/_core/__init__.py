@@ -12,12 +12,17 @@ its decisions (pure functions of a snapshot) and the objects that carry them
 out for it;
 ``_outcome`` how ranks ended and the exceptions and results built from that;
 ``_shutdown`` the escalation; ``_spec`` what a group runs and the checks of
-the user's arguments; ``_concurrency`` the small tools the rest share;
-``_loops`` which event loop runs the caller.
+the user's arguments that hold on every backend (each backend refuses the rest
+itself: ``_backend.Backend.check``); ``_concurrency`` the small tools the rest
+share; ``_loops`` which event loop runs the caller.
 
 Import rule: this package imports the standard library, anyio, and of the
 rest of aiospawn only ``aiospawn._rank.wire`` (the outcome frame a rank
 sends, which every backend hands back as it is). It never imports
-``aiospawn._local``, ``aiospawn.ray``, ``aiospawn._api``, ``aiospawn.sync``
-or the rank bootstrap. ``tests/test_public_api.py`` checks this rule.
+``aiospawn._local``, ``aiospawn.ray``, ``aiospawn._api``, ``aiospawn.sync``,
+``aiospawn._cli`` or the rank bootstrap, nor ``multiprocessing`` or
+``resource`` (how local processes are made, what is pickled for them, how
+many this process may hold: the local backend's), nor any other package
+(``cloudpickle``, ``ray``). ``tests/test_public_api.py`` checks this rule on
+every import statement, deferred ones included.
 """

@@ -188,6 +188,21 @@ class GroupLauncher(Protocol):
 class Backend(Protocol):
     """Where a group's ranks run: local processes by default."""
 
+    def check(self, spec: LaunchSpec) -> None:
+        """Refuse, before anything starts, what this backend cannot run.
+
+        Each backend's refusals, written once: the entry points call it after
+        ``_spec.make_spec`` and before :meth:`open`, and ``aiospawn run``'s
+        plan calls it too. The first read of ``spec.output`` runs the user's
+        per-rank output options, so a bound on ``nprocs`` that needs none of
+        them comes first. Does not block and starts nothing.
+
+        Raises:
+            ValueError: ``spec`` asks for something this backend cannot do,
+                or for more ranks than it can hold.
+            TypeError: ``fn`` or ``args`` cannot reach this backend's ranks.
+        """
+
     async def open(self, spec: LaunchSpec, capture: CaptureBuffer | None) -> GroupLauncher:
         """Prepare to run the group ``spec`` (connect, check); nothing is started yet.
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from aiospawn._rank.wire import RESTART_COUNT_VAR
@@ -85,13 +85,17 @@ def visible_devices(environ: Mapping[str, str] = os.environ) -> list[str]:
 
 
 def rank_environment(
-    spec: LaunchSpec, index: int, restart: int, torchrun: Mapping[str, str] | None
+    spec: LaunchSpec,
+    index: int,
+    restart: int,
+    torchrun: Mapping[str, str] | None,
+    devices: Sequence[str] | None = None,
 ) -> dict[str, str]:
     """The environment of attempt ``restart`` of rank ``index``, on any backend.
 
     The restart count, then torchrun's variables if the group asked for them,
-    then ``CUDA_VISIBLE_DEVICES`` if the group assigns devices, then the
-    user's ``env``, which wins.
+    then ``CUDA_VISIBLE_DEVICES`` if the backend gave the rank ``devices`` of
+    its own, then the user's ``env``, which wins.
 
     Raises:
         TypeError: An ``env`` callable returned something other than a mapping.
@@ -99,8 +103,8 @@ def rank_environment(
             ``_spec.check_environment``).
     """
     env = {RESTART_COUNT_VAR: str(restart), **(torchrun or {})}
-    if spec.devices is not None:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(spec.devices[index])
+    if devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
     user = spec.env(index) if callable(spec.env) else spec.env
     if callable(spec.env):
         if not isinstance(user, Mapping):

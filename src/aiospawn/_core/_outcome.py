@@ -374,7 +374,7 @@ async def decode_results(
 
 
 def _decode(exits: Sequence[RankExit | None], stopped_as_none: bool) -> list[Any]:
-    values = []
+    values: list[Any] = []
     for exit in exits:
         assert exit is not None
         if stopped_as_none and exit.stopped_by_us and not exit.succeeded:

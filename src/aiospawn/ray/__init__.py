@@ -120,46 +120,77 @@ class RayBackend:
             finite=True,
         )
 
+    def check(self, spec: LaunchSpec) -> None:
+        """Refuse, before anything is reserved, what this backend cannot run.
+
+        What :func:`check_group` refuses, and a ``devices_per_rank`` that
+        disagrees with the ``"GPU"`` of ``resources_per_rank``.
+
+        Raises:
+            ValueError: As :func:`check_group`, or the GPUs disagree.
+        """
+        from ._launcher import rank_resources
+
+        check_group(spec)
+        rank_resources(spec, self.resources_per_rank)
+
     async def open(self, spec: LaunchSpec, capture: CaptureBuffer | None) -> RayLauncher:
         """Connect to the cluster and reserve the group's resources; nothing runs yet.
 
         Args:
-            spec: The group.
-            capture: Must be None: Ray forwards the ranks' output itself.
+            spec: The group, checked by :meth:`check` (again here: a launcher
+                is never made for a group this backend cannot run).
+            capture: None: Ray forwards the ranks' output itself.
 
         Returns:
             The group's launcher, holding its placement group.
 
         Raises:
-            ValueError: ``spec`` asks for output other than ``"inherit"``, or for
-                heartbeats, which do not cross machines, or its ``devices_per_rank``
-                disagrees with the ``"GPU"`` of ``resources_per_rank``.
+            ValueError: As :meth:`check`.
             ConnectionError: No Ray cluster at ``address``.
             TimeoutError: The group could not be placed within ``placement_timeout``.
 
         Cancellation:
             Whatever was reserved is released before the cancellation propagates.
         """
-        from ._launcher import RayLauncher, rank_resources
+        from ._launcher import RayLauncher
 
-        _check_spec(spec, capture)
-        rank_resources(spec, self.resources_per_rank)
+        self.check(spec)
         return await RayLauncher.open(spec, self)
 
 
-def _check_spec(spec: LaunchSpec, capture: CaptureBuffer | None) -> None:
+def check_group(spec: LaunchSpec) -> None:
+    """Refuse what no Ray cluster runs for aiospawn, whatever the backend's options.
+
+    Needs no Ray: ``aiospawn run --ray`` refuses its command line with it
+    before anything starts.
+
+    Raises:
+        ValueError: ``spec`` asks for a warm start (``preload``) or for this
+            machine's ``devices``, which stay on one machine; for output other
+            than ``"inherit"``, which Ray forwards itself; or for heartbeats,
+            which do not cross machines.
+    """
+    if spec.preload:
+        raise ValueError(
+            "preload= warm-starts local ranks from a template; RayBackend has no templates"
+        )
+    if spec.devices is not None:
+        raise ValueError(
+            f"devices={spec.devices!r} names devices of this machine; with RayBackend ask for"
+            " devices_per_rank=N instead, and each rank gets N GPUs of its node"
+        )
     output = spec.output
     for stream, mode in (
         item for rank in range(spec.nprocs) for item in output.for_rank(rank)[0].items()
     ):
         if mode != "inherit":
+            # capture, and tee (which needs a directory), are refused here too.
             raise ValueError(
                 f"RayBackend runs ranks with {stream}='inherit' only, got {mode!r}: Ray forwards"
                 " each worker's output to the driver itself (prefixed with the actor's name"
                 " and node); set log_to_driver in ray.init() to change that"
             )
-    if capture is not None or output.tee:
-        raise ValueError("RayBackend cannot capture or tee the ranks' output")
     if spec.heartbeats:
         raise ValueError(
             "heartbeat_timeout and startup_timeout are not available with RayBackend:"
