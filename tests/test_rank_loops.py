@@ -45,6 +45,38 @@ async def test_a_sync_rank_imports_no_event_loop(anyio_backend: str) -> None:
     assert results == [(False, [])]
 
 
+#: What of the rank side every ``spawn`` rank imports before ``fn``.
+PLAIN_RANK = [
+    "aiospawn._rank.api",
+    "aiospawn._rank.bootstrap",
+    "aiospawn._rank.channel",
+    "aiospawn._rank.descendants",
+    "aiospawn._rank.fds",
+    "aiospawn._rank.guard",
+    "aiospawn._rank.outcome",
+    "aiospawn._rank.payload",
+    "aiospawn._rank.process",
+    "aiospawn._rank.wire",
+]
+
+
+@pytest.mark.parametrize(
+    ("fn", "expected"),
+    [
+        (loop_ranks.sync_rank_side, PLAIN_RANK),
+        (loop_ranks.async_rank_side, sorted([*PLAIN_RANK, "aiospawn._rank.async_main"])),
+    ],
+)
+async def test_a_spawn_rank_imports_only_the_rank_side_it_needs(
+    anyio_backend: str, fn: object, expected: list[str]
+) -> None:
+    # Neither a fork rank's hygiene nor, in a sync rank, the async main; the
+    # awaited channel only once an async rank asks for its channel.
+    with tripwire(60, "a rank's imports of the rank side"):
+        results = await aiospawn.start_processes(fn, nprocs=1)  # type: ignore[call-overload]
+    assert results == [expected]
+
+
 @pytest.mark.parametrize("rank_loop", ["tornado", "", None, "Trio"])
 async def test_an_unknown_rank_loop_is_refused_before_anything_starts(
     anyio_backend: str, rank_loop: object, no_process_start: None
