@@ -8,6 +8,8 @@ event loop at all.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 import aiospawn
@@ -75,6 +77,17 @@ async def test_a_spawn_rank_imports_only_the_rank_side_it_needs(
     with tripwire(60, "a rank's imports of the rank side"):
         results = await aiospawn.start_processes(fn, nprocs=1)  # type: ignore[call-overload]
     assert results == [expected]
+
+
+async def test_a_fork_rank_finds_its_hygiene_imported_by_the_supervisor(anyio_backend: str) -> None:
+    # A fork rank drops what it holds of the supervisor with code the
+    # supervisor imported before the fork: no fork rank imports it itself.
+    with tripwire(60, "a fork rank's imports of the rank side"):
+        [imported] = await aiospawn.start_processes(
+            loop_ranks.sync_rank_side, nprocs=1, start_method="fork"
+        )
+    assert "aiospawn._rank.forked" in imported
+    assert set(imported) <= set(sys.modules)
 
 
 @pytest.mark.parametrize("rank_loop", ["tornado", "", None, "Trio"])
