@@ -108,7 +108,7 @@ class Ending:
 
 
 def run_fn(fn: Callable[..., Any] | Payload, rank: int, args: tuple[Any, ...], loop: str) -> Ending:
-    """Run ``fn(rank, *args)`` here and say how it ended; never raises.
+    """Run ``fn(rank, *args)`` here and say how it ended: what ``fn`` raises is not raised.
 
     Args:
         fn: The user's function, or a :class:`~aiospawn._rank.payload.Payload`
