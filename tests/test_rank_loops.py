@@ -79,14 +79,15 @@ async def test_a_spawn_rank_imports_only_the_rank_side_it_needs(
     assert results == [expected]
 
 
-async def test_a_fork_rank_finds_its_hygiene_imported_by_the_supervisor(anyio_backend: str) -> None:
-    # A fork rank drops what it holds of the supervisor with code the
-    # supervisor imported before the fork: no fork rank imports it itself.
+@pytest.mark.parametrize("fn", [loop_ranks.sync_rank_side, loop_ranks.async_rank_side])
+async def test_a_fork_rank_imports_nothing_of_ours_itself(anyio_backend: str, fn: object) -> None:
+    # A fork rank drops what it holds of the supervisor, and runs an async
+    # def fn, with code the supervisor imported before the fork.
     with tripwire(60, "a fork rank's imports of the rank side"):
-        [imported] = await aiospawn.start_processes(
-            loop_ranks.sync_rank_side, nprocs=1, start_method="fork"
+        [imported] = await aiospawn.start_processes(  # type: ignore[call-overload]
+            fn, nprocs=1, start_method="fork"
         )
-    assert "aiospawn._rank.forked" in imported
+    assert {"aiospawn._rank.forked", "aiospawn._rank.async_main"} <= set(imported)
     assert set(imported) <= set(sys.modules)
 
 

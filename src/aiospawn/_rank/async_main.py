@@ -2,7 +2,10 @@
 
 Imported only by a rank whose ``fn`` returned a coroutine (see
 ``outcome.run_fn``), and the event loop it names only then: a sync rank
-imports no event loop (invariant 7 on the architecture page). The loop is the
+imports no event loop (invariant 7 on the architecture page). The processes
+that ranks are forked from import it beforehand, once for all of their ranks:
+the fork server (``forkserver``), a warm template, and the supervisor of a
+``fork`` group (``process.RankSetup``). The loop is the
 one ``rank_loop=`` chose: asyncio, uvloop or trio, whichever loop the
 supervisor runs. SIGTERM cancels the rank's main task, so its cleanup runs.
 

@@ -119,9 +119,11 @@ class RankSetup:
         self.loop = loop
         if inherited is not None:
             # A fork rank's setup is made in the supervisor, before the fork:
-            # importing its hygiene here puts it in every fork rank, which
-            # then need not import it itself. (Unpickling, under the other
-            # start methods, does not call __init__.)
+            # what is imported here is in every fork rank, which then need not
+            # import it itself: its hygiene, and the async main an async def
+            # fn runs in (as the fork server and a template preload it).
+            # (Unpickling, under the other start methods, calls no __init__.)
+            from . import async_main as async_main
             from . import forked as forked
 
     def __repr__(self) -> str:
