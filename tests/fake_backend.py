@@ -171,9 +171,9 @@ class MemoryLink:
     def reply(self, call_id: int, value: Any = None, *, error: BaseException | None = None) -> None:
         """The rank's handler answers call ``call_id`` with ``value``, or raised ``error``."""
         if error is None:
-            self.send(Frame.REPLY, rank_channel._reply(call_id, True, value))
+            self.send(Frame.REPLY, rank_channel.reply(call_id, True, value))
         else:
-            self.send(Frame.REPLY, rank_channel._reply(call_id, False, error))
+            self.send(Frame.REPLY, rank_channel.reply(call_id, False, error))
 
     def read(self) -> list[tuple[int, bytes]]:
         """Everything the supervisor wrote that the rank has not read: ``(kind, payload)``."""

@@ -32,3 +32,15 @@ async def trio_run_name(rank: int) -> tuple[str, list[str]]:
 
 def sync_imports(rank: int) -> tuple[bool, list[str]]:
     return "asyncio" in sys.modules, _supervisor_modules()
+
+
+def _rank_side_modules() -> list[str]:
+    return sorted(name for name in sys.modules if name.startswith("aiospawn._rank."))
+
+
+def sync_rank_side(rank: int) -> list[str]:
+    return _rank_side_modules()
+
+
+async def async_rank_side(rank: int) -> list[str]:
+    return _rank_side_modules()

@@ -10,7 +10,6 @@ and the ranks go on. Rank functions: ``tests/hostile_ranks.py``.
 from __future__ import annotations
 
 import pickle
-import socket
 
 import anyio
 import psutil
@@ -19,7 +18,6 @@ import pytest
 import aiospawn
 from aiospawn import ProcessException
 from aiospawn._core import _channel
-from aiospawn._rank import channel as rank_channel
 from aiospawn._rank import wire
 from aiospawn._rank.wire import CALL_ID, MAX_FRAME_BYTES, Link, header
 from tests import hostile_ranks
@@ -254,34 +252,3 @@ async def test_the_supervisor_refuses_to_send_a_pickle_beyond_the_limit(
     for size in (150_000, 2 << 20):  # pickled on the loop, and on a worker thread
         with pytest.raises(ValueError, match=r"more than a channel frame carries \(100000"):
             await _channel.encode(b"x" * size)
-
-
-def test_a_rank_refuses_to_send_or_answer_with_a_pickle_beyond_the_limit(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(wire, "MAX_FRAME_BYTES", 1000)
-    with pytest.raises(ValueError, match=r"more than a channel frame carries \(1000"):
-        rank_channel.encode(b"x" * 1000)
-    reply = rank_channel._reply(7, True, b"x" * 1000)
-    assert CALL_ID.unpack_from(reply) == (7,)
-    ok, raised = pickle.loads(reply[CALL_ID.size :])
-    assert not ok
-    _, type_name, text = pickle.loads(raised)
-    assert type_name == "builtins.ValueError"
-    assert "the handler's return value cannot be sent" in text
-
-
-def test_a_rank_reads_nothing_past_a_bad_frame_from_the_supervisor() -> None:
-    ours, theirs = socket.socketpair()
-    with ours:
-        frames = rank_channel.open_channel(theirs.detach())
-        one = pickle.dumps(1)
-        ours.sendall(header(Link.MESSAGE, len(one)) + one)
-        ours.sendall(header(Link.REPLY, 8) + bytes(8))  # only ranks reply
-        ours.sendall(header(Link.MESSAGE, 1) + b"N")
-        channel = rank_channel.Channel(frames)
-        assert channel.receive() == 1
-        for _ in range(2):
-            with pytest.raises(ConnectionError, match="supervisor sent a frame of unknown kind 4"):
-                channel.receive()
-        frames.close()

@@ -8,6 +8,8 @@ event loop at all.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 import aiospawn
@@ -43,6 +45,50 @@ async def test_a_sync_rank_imports_no_event_loop(anyio_backend: str) -> None:
     with tripwire(60, "a sync rank's imports"):
         results = await aiospawn.start_processes(loop_ranks.sync_imports, nprocs=1)
     assert results == [(False, [])]
+
+
+#: What of the rank side every ``spawn`` rank imports before ``fn``.
+PLAIN_RANK = [
+    "aiospawn._rank.api",
+    "aiospawn._rank.bootstrap",
+    "aiospawn._rank.channel",
+    "aiospawn._rank.descendants",
+    "aiospawn._rank.fds",
+    "aiospawn._rank.guard",
+    "aiospawn._rank.outcome",
+    "aiospawn._rank.payload",
+    "aiospawn._rank.process",
+    "aiospawn._rank.wire",
+]
+
+
+@pytest.mark.parametrize(
+    ("fn", "expected"),
+    [
+        (loop_ranks.sync_rank_side, PLAIN_RANK),
+        (loop_ranks.async_rank_side, sorted([*PLAIN_RANK, "aiospawn._rank.async_main"])),
+    ],
+)
+async def test_a_spawn_rank_imports_only_the_rank_side_it_needs(
+    anyio_backend: str, fn: object, expected: list[str]
+) -> None:
+    # Neither a fork rank's hygiene nor, in a sync rank, the async main; the
+    # awaited channel only once an async rank asks for its channel.
+    with tripwire(60, "a rank's imports of the rank side"):
+        results = await aiospawn.start_processes(fn, nprocs=1)  # type: ignore[call-overload]
+    assert results == [expected]
+
+
+@pytest.mark.parametrize("fn", [loop_ranks.sync_rank_side, loop_ranks.async_rank_side])
+async def test_a_fork_rank_imports_nothing_of_ours_itself(anyio_backend: str, fn: object) -> None:
+    # A fork rank drops what it holds of the supervisor, and runs an async
+    # def fn, with code the supervisor imported before the fork.
+    with tripwire(60, "a fork rank's imports of the rank side"):
+        [imported] = await aiospawn.start_processes(  # type: ignore[call-overload]
+            fn, nprocs=1, start_method="fork"
+        )
+    assert {"aiospawn._rank.forked", "aiospawn._rank.async_main"} <= set(imported)
+    assert set(imported) <= set(sys.modules)
 
 
 @pytest.mark.parametrize("rank_loop", ["tornado", "", None, "Trio"])

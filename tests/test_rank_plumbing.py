@@ -25,7 +25,7 @@ import pytest
 import aiospawn
 from aiospawn._local import _pipes
 from aiospawn._local._strategy import _loop_wakeup_sockets
-from aiospawn._rank.bootstrap import HIGH_FD
+from aiospawn._rank.fds import HIGH_FD
 from aiospawn._rank.wire import LOST_CHANNEL_STATUS
 from tests import hostile_ranks, ranks
 from tests.conftest import wait_until

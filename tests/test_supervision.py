@@ -204,6 +204,8 @@ async def test_a_hung_rank_is_reported_with_its_stack(how: str) -> None:
         assert "in wait_for_peer_in_a_busy_loop" in error.stack
     assert "_die_with_supervisor" not in error.stack  # our guard thread is left out
     assert "run_rank" not in error.stack  # and so is the bootstrap
+    assert "run_fn" not in error.stack  # and the rule that calls fn
+    assert error.stack.rstrip().splitlines()[-1].endswith(" in beat_then")  # fn's is the last
     assert error.stack in str(error)
     assert "sent no heartbeat" in str(error)
 

@@ -20,14 +20,16 @@ import signal
 
 import anyio
 
-from aiospawn._rank import bootstrap
+from aiospawn._rank import bootstrap, outcome
 from aiospawn._rank.wire import BEAT_BYTES, STACK_SIGNAL, ChildEnd
 
 from . import _pipes
 from ._pipes import close_watched, rank_pipe
 
-#: The rank bootstrap's file, as faulthandler names it in a frame.
-_BOOTSTRAP = bootstrap.__file__
+#: The frames of ours that start a rank's own, as faulthandler names them: the
+#: rule that calls ``fn``, and the bootstrap that calls it (a rank that is not
+#: in ``fn`` yet, or no more).
+_OURS = (f'"{outcome.__file__}"', " in run_fn"), (f'"{bootstrap.__file__}"', " in run_rank")
 
 #: A stack dump is complete once the pipe has been quiet this long.
 _DUMP_QUIET = 0.1
@@ -137,8 +139,9 @@ def _tidy(dump: str) -> str:
     """The user's part of a faulthandler dump: one paragraph per thread.
 
     Dropped: the guard thread that watches the supervisor (ours), and in each
-    thread the frames from the rank bootstrap down (``run_rank`` and what
-    started it, which under ``fork`` includes the supervisor's own frames).
+    thread the frames from the one that calls ``fn`` down (``run_fn``, the
+    bootstrap's ``run_rank`` and what started it, which under ``fork``
+    includes the supervisor's own frames).
     """
     threads = []
     for thread in dump.strip("\n").split("\n\n"):
@@ -146,7 +149,7 @@ def _tidy(dump: str) -> str:
             continue
         lines = thread.splitlines()
         for index, line in enumerate(lines):
-            if line.endswith(" in run_rank") and f'"{_BOOTSTRAP}"' in line:
+            if any(line.endswith(name) and file in line for file, name in _OURS):
                 lines = lines[:index]
                 break
         threads.append("\n".join(lines))

@@ -1,9 +1,12 @@
 """What a rank's own code calls: heartbeats, its restart count, readiness, its channel.
 
-The bootstrap (``aiospawn._rank.bootstrap``) fills in this module's state
-before ``fn`` runs. Outside a rank, :func:`heartbeat`, :func:`ready` and
-:func:`restart_count` are harmless no-ops; :func:`channel` and :func:`serve`
-raise, since there is nobody to talk to.
+Each rank attempt fills in this module's state with :func:`begin` before
+``fn`` runs (a local rank in ``process.prepare``, a Ray rank in its actor),
+says which event loop an ``async def fn`` runs on with :func:`use_loop`, and
+ends the channel with :func:`end`: nothing else sets it. Outside a rank,
+:func:`heartbeat`, :func:`ready` and :func:`restart_count` are harmless
+no-ops; :func:`channel` and :func:`serve` raise, since there is nobody to
+talk to.
 Part of the rank-side package: standard library only.
 """
 
@@ -12,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import time
 
-from .channel import AsyncChannel, Channel, _Frames, encode
+from .channel import Channel, Frames, encode, finish
 from .wire import Link
 
 # For the checker only: a rank never imports typing (the package's import rule).
@@ -20,13 +23,39 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
+    from .async_channel import AsyncChannel
+
 _restart = 0
 _beat: memoryview | None = None
 #: The rank's end of its channel, and the event loop an ``async def fn`` runs on.
-_frames: _Frames | None = None
+_frames: Frames | None = None
 _loop: str | None = None
 _channel: Channel | AsyncChannel | None = None
 _ready = False
+
+
+def begin(*, restart: int, frames: Frames | None, beat: memoryview | None = None) -> None:
+    """Start a rank attempt's state afresh: nothing of a parent rank's survives a fork.
+
+    Args:
+        restart: The attempt's restart count.
+        frames: The rank's end of its channel, or None without one.
+        beat: The rank's heartbeat slot, or None when the group watches no heartbeats.
+    """
+    global _restart, _beat, _frames, _loop, _channel, _ready
+    _restart, _beat, _frames = restart, beat, frames
+    _loop, _channel, _ready = None, None, False
+
+
+def use_loop(loop: str) -> None:
+    """``fn`` is an ``async def`` on ``loop`` (``"asyncio"`` or ``"trio"``): awaited channel."""
+    global _loop
+    _loop = loop
+
+
+def end(patience: float) -> None:
+    """At the attempt's end: send what cancelled sends left (for ``patience`` s), and close."""
+    finish(_frames, patience)
 
 
 def restart_count() -> int:
@@ -87,7 +116,7 @@ def channel() -> Any:
 
     In a sync rank, a :class:`~aiospawn._rank.channel.Channel` with blocking
     ``send(obj)``, ``receive()``, iteration and ``close()``; in an
-    ``async def fn``, an :class:`~aiospawn._rank.channel.AsyncChannel` whose
+    ``async def fn``, an :class:`~aiospawn._rank.async_channel.AsyncChannel` whose
     methods are awaited (``async for`` iterates). ``receive()`` raises
     ``EOFError`` once the supervisor has closed its end and every message
     was received. The supervisor's end is ``ctx.channel(rank)``.
@@ -100,7 +129,12 @@ def channel() -> Any:
     if _channel is None:
         if _frames is None:
             raise RuntimeError("aiospawn.channel() is called in a rank of an aiospawn group")
-        _channel = Channel(_frames) if _loop is None else AsyncChannel(_frames, _loop)
+        if _loop is None:
+            _channel = Channel(_frames)
+        else:  # an async def fn: only its rank imports the awaited channel
+            from .async_channel import AsyncChannel
+
+            _channel = AsyncChannel(_frames, _loop)
     return _channel
 
 

@@ -6,8 +6,10 @@ open). Frames go both ways, in the shape of the outcome frame (``wire``):
 a kind byte, a length, a pickle. The kinds are :class:`~.wire.Link`'s.
 
 - :class:`Channel`: ``send(obj)``, ``receive()``, iteration, ``close()``,
-  blocking, for a sync rank. :class:`AsyncChannel`: the same, awaitable, on
-  the rank's own event loop (asyncio or trio) for an ``async def fn``.
+  blocking, for a sync rank. ``async_channel.AsyncChannel``: the same,
+  awaitable, on the rank's own event loop (asyncio or trio) for an
+  ``async def fn``, imported by such a rank alone. Both take their frames
+  through one :class:`Frames`, and differ only in how they wait.
 - :func:`~aiospawn._rank.api.ready` sends one READY frame.
 - ``serve(handler)`` answers CALL frames with REPLY frames until the
   supervisor closes its end.
@@ -22,14 +24,12 @@ Pickles are user code both ways: whatever pickling or unpickling raises,
 (``TypeError`` to send, ``pickle.UnpicklingError`` to receive; for a call,
 its error sent back to the caller), never the end of the rank's ``serve()``.
 
-Cancellation (async ranks): a frame is queued whole before its first byte is
-written. A task cancelled while the socket is full leaves the rest of its
-frame queued; it goes out before anything sent after it, and at the latest
-when the rank ends. A cancelled ``receive()`` loses nothing: a frame read in
-part stays in the reader until the next one.
+A frame is queued whole before its first byte is written, and one read in
+part stays in the reader until the rest comes: what an async rank's
+cancelled send or receive leaves is never lost (see ``async_channel``), and
+goes out at the latest when the rank ends (:func:`finish`).
 
-Part of the rank-side package: standard library only. The event loop of an
-async rank is imported by the bootstrap that runs it.
+Part of the rank-side package: standard library only.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ import select
 import time
 
 from . import wire
+from .fds import identity
 from .wire import (
     CALL_ID,
     TO_RANK,
@@ -58,19 +59,19 @@ from .wire import (
 # For the checker only: a rank never imports typing (the package's import rule).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Iterator
+    from collections.abc import Iterator
     from typing import Any
 
 _READ_CHUNK = 256 * 1024
 
 
-class _Frames:
+class Frames:
     """The rank's socket end: frames queued to write, frames read and sorted by kind."""
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
         os.set_blocking(fd, False)
-        self._identity = _identity(fd)
+        self._identity = identity(fd)
         self._out = FrameQueue()
         self._reader = FrameReader(TO_RANK)
         self.messages: collections.deque[bytes | bytearray] = collections.deque()
@@ -132,6 +133,25 @@ class _Frames:
             elif kind == Link.CLOSE:
                 self.peer_closed = True
 
+    def take(self, kept: collections.deque[bytes | bytearray]) -> bytes | bytearray | None:
+        """The next frame of ``kept`` (``messages`` or ``calls``), or None: wait, then ask again.
+
+        Reads what the socket holds now first, if nothing is kept. Blocking
+        and awaited receives both take their frames through it, and differ
+        only in how they wait.
+
+        Raises:
+            EOFError: The supervisor closed its end, and nothing of that kind is left.
+            ConnectionError: A frame broke the channel's format, and nothing is left.
+        """
+        if not kept and not self.peer_closed:
+            self.read_some()
+        if kept:
+            return kept.popleft()
+        if self.peer_closed:
+            raise _end(self)
+        return None
+
     def wait(self, write: bool, deadline: float | None = None) -> None:
         """Block until the socket can be written (or read); at most until ``deadline``."""
         poller = select.poll()
@@ -192,10 +212,14 @@ def _raised(exc: BaseException) -> str:
     return name if text == name else f"{name}: {text}"
 
 
-def _reply(call_id: int, ok: bool, value: Any) -> bytes:
+def reply(call_id: int, ok: bool, value: Any) -> bytes:
+    """The payload of the REPLY frame to call ``call_id``: ``value``, or the exception raised.
+
+    A value that cannot be pickled or sent is replied as the error that says so.
+    """
     if ok:
         try:
-            answer = pickle.dumps((True, value), protocol=pickle.HIGHEST_PROTOCOL)
+            pickled = pickle.dumps((True, value), protocol=pickle.HIGHEST_PROTOCOL)
         except BaseException as exc:  # a __reduce__ may raise SystemExit: still this answer's
             error: Exception = TypeError(
                 f"the handler's return value cannot be pickled: {_raised(exc)}"
@@ -204,11 +228,11 @@ def _reply(call_id: int, ok: bool, value: Any) -> bytes:
             value = error
         else:
             try:
-                wire.check_size(len(answer))
+                wire.check_size(len(pickled))
             except ValueError as exc:
                 value = ValueError(f"the handler's return value cannot be sent: {exc}")
             else:
-                return CALL_ID.pack(call_id) + answer
+                return CALL_ID.pack(call_id) + pickled
     return CALL_ID.pack(call_id) + pickle.dumps((False, encode_exception(value)))
 
 
@@ -229,6 +253,20 @@ def _lookup(handler: Any, method: str) -> Any:
     return getattr(handler, method)
 
 
+def answer(handler: Any, call: bytes | bytearray) -> tuple[int, bool, Any]:
+    """``(call_id, ok, value)``: ``handler``'s answer to a CALL frame, or what it raised.
+
+    The value of an ``async def`` method is its coroutine, which an async
+    rank's ``serve()`` then awaits.
+    """
+    call_id, request = _split(call)
+    try:
+        method, args, kwargs = _request(request)
+        return call_id, True, _lookup(handler, method)(*args, **kwargs)
+    except Exception as exc:
+        return call_id, False, from_fn(exc)
+
+
 class Channel:
     """The rank's end of its channel, in a sync rank: blocking calls.
 
@@ -236,7 +274,7 @@ class Channel:
     sends are serialised, and so are receives.
     """
 
-    def __init__(self, frames: _Frames) -> None:
+    def __init__(self, frames: Frames) -> None:
         self._frames = frames
         self._sending = frames.sending
         self._receiving = _thread.allocate_lock()
@@ -287,14 +325,9 @@ class Channel:
                     call = self._next(self._frames.calls)
                 except EOFError:
                     return
-                call_id, request = _split(call)
-                try:
-                    method, args, kwargs = _request(request)
-                    value, ok = _lookup(handler, method)(*args, **kwargs), True
-                except Exception as exc:
-                    value, ok = from_fn(exc), False
+                call_id, ok, value = answer(handler, call)
                 with self._sending:
-                    self._frames.queue(Link.REPLY, _reply(call_id, ok, value))
+                    self._frames.queue(Link.REPLY, reply(call_id, ok, value))
                     self._frames.flush()
 
     def close(self) -> None:
@@ -309,177 +342,13 @@ class Channel:
         frames = self._frames
         while True:
             frames._check_open()
-            if kept:
-                return kept.popleft()
-            if frames.peer_closed:
-                raise _end(frames)
-            frames.read_some()
-            if not kept and not frames.peer_closed:
-                frames.wait(False)
+            frame = frames.take(kept)
+            if frame is not None:
+                return frame
+            frames.wait(False)
 
 
-class AsyncChannel:
-    """The rank's end of its channel, in an ``async def fn``: awaitable calls.
-
-    Get it with ``aiospawn.channel()``. One task at a time may send, and one
-    may receive (or serve); a second gets RuntimeError.
-    """
-
-    def __init__(self, frames: _Frames, loop: str) -> None:
-        self._frames = frames
-        self._loop = loop
-        self._sender: object | None = None
-        self._receiver: object | None = None
-        self._writing: Any = None  # the loop's Lock, made on first use
-
-    async def send(self, obj: Any) -> None:
-        """Send ``obj`` to the supervisor; waits while the channel is full.
-
-        Raises:
-            TypeError: ``obj`` cannot be pickled.
-            ValueError: ``obj`` pickles to more than a frame carries (1 GiB).
-            OSError: The channel was closed by this rank.
-
-        Cancellation:
-            The message is queued whole before it is written: if the task is
-            cancelled meanwhile, what is left of it still goes out, first.
-        """
-        payload = encode(obj)
-        self._claim("_sender", "send")
-        try:
-            self._frames.queue(Link.MESSAGE, payload)
-            await self._flush()
-        finally:
-            self._sender = None
-
-    async def receive(self) -> Any:
-        """Wait for the next message from the supervisor and return it.
-
-        Raises:
-            EOFError: The supervisor closed its end and every message was received.
-            pickle.UnpicklingError: The next message cannot be unpickled here
-                (its cause says why); it is dropped, and the next call gets the
-                one after it.
-            OSError: The channel was closed by this rank.
-        """
-        self._claim("_receiver", "receive")
-        try:
-            payload = await self._next(self._frames.messages)
-        finally:
-            self._receiver = None
-        return decode(payload, "a message from the supervisor")
-
-    def __aiter__(self) -> AsyncIterator[Any]:
-        return self._messages()
-
-    async def _messages(self) -> AsyncIterator[Any]:
-        while True:
-            try:
-                message = await self.receive()
-            except EOFError:
-                return
-            yield message
-
-    async def serve(self, handler: Any) -> None:
-        """Answer the supervisor's calls with ``handler``'s methods (sync or async) until closed."""
-        self._claim("_receiver", "serve")
-        try:
-            while True:
-                try:
-                    call = await self._next(self._frames.calls)
-                except EOFError:
-                    return
-                call_id, request = _split(call)
-                try:
-                    method, args, kwargs = _request(request)
-                    value = _lookup(handler, method)(*args, **kwargs)
-                    if hasattr(value, "__await__"):
-                        value = await value
-                    ok = True
-                except Exception as exc:
-                    value, ok = from_fn(exc), False
-                self._frames.queue(Link.REPLY, _reply(call_id, ok, value))
-                await self._flush()
-        finally:
-            self._receiver = None
-
-    async def aclose(self) -> None:
-        """Tell the supervisor nothing more comes (its ``receive()`` ends), and close."""
-        if not self._frames.closed:
-            self._frames.queue(Link.CLOSE, b"")
-            await self._flush()
-            self._frames.close()
-
-    def _claim(self, role: str, what: str) -> None:
-        if getattr(self, role) is not None:
-            raise RuntimeError(f"another task is already waiting in {what}() on this channel")
-        setattr(self, role, object())
-
-    async def _flush(self) -> None:
-        if self._frames.write_some():
-            return
-        # One task at a time waits for the socket: a sender and serve()'s
-        # replies can both be flushing, and two waiters on one fd are refused
-        # by trio (BusyResourceError) and, in asyncio, the second add_writer()
-        # replaces the first one's callback, which is then never woken. The
-        # task that waits writes every queued frame, the others' too.
-        if self._writing is None:
-            if self._loop == "trio":
-                import trio
-
-                self._writing = trio.Lock()
-            else:
-                import asyncio
-
-                self._writing = asyncio.Lock()
-        async with self._writing:
-            while not self._frames.write_some():
-                await self._wait(write=True)
-
-    async def _next(self, kept: collections.deque[bytes | bytearray]) -> bytes | bytearray:
-        frames = self._frames
-        while True:
-            frames._check_open()
-            if frames.unsent and self._sender is None:
-                await self._flush()  # what a cancelled send left, first
-            if kept:
-                return kept.popleft()
-            if frames.peer_closed:
-                raise _end(frames)
-            frames.read_some()
-            if not kept and not frames.peer_closed:
-                await self._wait(write=False)
-
-    async def _wait(self, write: bool) -> None:
-        fd = self._frames.fd
-        if self._loop == "trio":
-            import trio
-
-            await (trio.lowlevel.wait_writable if write else trio.lowlevel.wait_readable)(fd)
-            return
-        import asyncio
-
-        loop = asyncio.get_running_loop()
-        woken = loop.create_future()
-
-        def wake() -> None:
-            if not woken.done():
-                woken.set_result(None)
-
-        if write:
-            loop.add_writer(fd, wake)
-        else:
-            loop.add_reader(fd, wake)
-        try:
-            await woken
-        finally:
-            if write:
-                loop.remove_writer(fd)
-            else:
-                loop.remove_reader(fd)
-
-
-def _end(frames: _Frames) -> Exception:
+def _end(frames: Frames) -> Exception:
     """What a read past the end of the supervisor's stream raises."""
     if frames.broken is not None:
         return ConnectionError(
@@ -488,15 +357,7 @@ def _end(frames: _Frames) -> Exception:
     return EOFError("the supervisor closed this rank's channel")
 
 
-def _identity(fd: int) -> tuple[int, int] | None:
-    try:
-        info = os.fstat(fd)
-    except OSError:
-        return None
-    return info.st_dev, info.st_ino
-
-
-def finish(frames: _Frames | None, patience: float) -> None:
+def finish(frames: Frames | None, patience: float) -> None:
     """At the rank's end: send what cancelled sends left queued (for ``patience`` s), close.
 
     Nothing is done if the rank's own code closed the socket (``os.closerange``):
@@ -504,7 +365,7 @@ def finish(frames: _Frames | None, patience: float) -> None:
     """
     if frames is None or frames.closed:
         return
-    if _identity(frames.fd) != frames._identity:
+    if identity(frames.fd) != frames._identity:
         frames.closed = True
         return
     if frames.unsent:
@@ -513,6 +374,6 @@ def finish(frames: _Frames | None, patience: float) -> None:
     frames.close()
 
 
-def open_channel(fd: int) -> _Frames:
+def open_channel(fd: int) -> Frames:
     """The rank's frames over its socket end ``fd``."""
-    return _Frames(fd)
+    return Frames(fd)

@@ -1,7 +1,10 @@
 """What ``multiprocessing``'s fork server imports for aiospawn, once, before it forks ranks.
 
-The rank bootstrap, so that no ``forkserver`` rank imports it again; then the
-server's heap is frozen (``gc.freeze``), as a warm template's is: what the
+The rank bootstrap, and what an ``async def fn`` needs of ours (its async
+main and its awaited channel), so that no ``forkserver`` rank imports them
+again (``forked``, a ``fork`` rank's hygiene, is not among them: no
+``forkserver`` rank runs it); then the server's heap is frozen
+(``gc.freeze``), as a warm template's is: what the
 server imported is never freed, and a rank's collections would otherwise
 walk those objects, which writes to every page that holds one, so each rank
 copied pages it could have shared. Imported by the fork server alone (see
@@ -14,6 +17,8 @@ from __future__ import annotations
 
 import gc
 
+from . import async_channel as async_channel
+from . import async_main as async_main
 from . import bootstrap as bootstrap
 
 gc.collect()

@@ -56,8 +56,13 @@ import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+# The async main and the awaited channel are imported once, here, for the
+# ranks the template forks, as the bootstrap is.
+from . import async_channel as async_channel
+from . import async_main as async_main
 from . import descendants
-from .bootstrap import RankSetup, run_rank
+from .bootstrap import run_rank
+from .process import RankSetup
 from .wire import ChildEnd
 
 #: A status message: ``b"P"`` and the rank's pid, or ``b"X"`` and its exit code

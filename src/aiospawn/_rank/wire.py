@@ -12,8 +12,9 @@ without waiting for end-of-file: a grandchild that inherited the pipe's write
 end would otherwise hold the supervisor up until it exits too.
 
 The encoders are here too, beside the format they write, for every backend:
-a local rank writes the frame to its pipe, a Ray rank hands it back from its
-actor call. The supervisor decodes frames in ``aiospawn._core._outcome``.
+``outcome`` encodes how ``fn`` ended with them, then a local rank writes the
+frame to its pipe, and a Ray rank hands it back from its actor call. The
+supervisor decodes frames in ``aiospawn._core._outcome``.
 
 Part of the rank-side package: standard library only.
 """
@@ -29,7 +30,6 @@ import struct
 # For the checker only: a rank never imports typing (the package's import rule).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Callable
     from typing import Any, Final
 
 
@@ -326,22 +326,9 @@ class FrameReader:
         return self._kind, self._payload
 
 
-#: ``(kind, payload, exit_code)``: the frame a rank sends, and the exit code it then has.
+#: ``(kind, payload, exit_code)``: the frame a rank sends, and the exit code it then
+#: has (the rule that makes it is ``outcome.run_fn``).
 Outcome = tuple[int, bytes, int]
-
-
-def call(fn: Callable[..., Any], rank: int, args: tuple[Any, ...]) -> Outcome:
-    """Run ``fn(rank, *args)`` here and encode how it ended (the contract is in ``bootstrap``).
-
-    For backends whose ranks hand their frame back rather than write it to a pipe.
-    """
-    try:
-        value = fn(rank, *args)
-    except SystemExit as exc:
-        return encode_exit(exc)
-    except BaseException as exc:
-        return Kind.RAISED, encode_exception(from_fn(exc)), 1
-    return encode_value(value)
 
 
 def encode_value(value: Any) -> Outcome:
@@ -411,7 +398,11 @@ def describe(exc: BaseException) -> str:
 
 
 def from_fn(exc: BaseException) -> BaseException:
-    # The traceback starts in fn: the bootstrap's own frame is not the user's.
+    """``exc`` with its traceback starting in the code it was raised from.
+
+    Called where ``exc`` was caught: the catching frame (``outcome.run_fn``,
+    a channel's ``serve()``) is ours, not the user's.
+    """
     if exc.__traceback__ is not None and exc.__traceback__.tb_next is not None:
         return exc.with_traceback(exc.__traceback__.tb_next)
     return exc

@@ -23,11 +23,11 @@ board and again by the rank.
 The board also holds the frames of each rank's channel (``aiospawn.channel()``,
 ``ctx.channel(rank)``), in a bounded pipe per attempt and direction: the rank
 actor cannot take calls of its own while ``fn`` runs, and ``_relay`` has the
-picture. An ``async def fn`` runs on its own event loop as in a local rank
-(``aiospawn._rank.bootstrap``), and SIGTERM cancels it the same way.
-
-The outcome of ``fn`` is the same ``(kind, payload)`` frame a local rank
-sends (see ``aiospawn._rank.wire``), so the supervisor builds the same exceptions from it.
+picture. ``fn`` runs under the same rule as a local rank's
+(``aiospawn._rank.outcome``): an ``async def fn`` runs on its own event loop,
+SIGTERM cancels it the same way, and its outcome is the same
+``(kind, payload)`` frame a local rank sends, so the supervisor builds the
+same exceptions from it.
 
 Nothing here is imported by ``import aiospawn``; Ray is imported by the caller.
 """
@@ -42,19 +42,12 @@ import os
 import pickle
 import signal
 import threading
-from collections.abc import Coroutine, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from aiospawn._core._env import free_port
-from aiospawn._rank.bootstrap import _die_of_sigterm, _run_async, _Terminated
-from aiospawn._rank.wire import (
-    Kind,
-    Outcome,
-    encode_exception,
-    encode_exit,
-    encode_value,
-    from_fn,
-)
+from aiospawn._rank.outcome import die_of_sigterm, run_fn
+from aiospawn._rank.wire import Kind, Outcome, encode_exception
 
 
 class RankActor:
@@ -110,18 +103,15 @@ class RankActor:
             loop: The event loop an ``async def fn`` runs on.
         """
         from aiospawn._rank import api
-        from aiospawn._rank.channel import finish as finish_channel
         from aiospawn._rank.channel import open_channel
 
         from ._relay import RankRelay
 
         key = f"{rank}.{restart}"
         os.environ.update(env)
-        api._restart = restart  # what aiospawn.restart_count() answers in the rank
         # The rank's channel: the same rank-side end as a local rank's, relayed.
         relay = RankRelay(board, token, key)
-        api._channel, api._ready, api._loop = None, False, None
-        api._frames = open_channel(relay.rank_fd)
+        api.begin(restart=restart, frames=open_channel(relay.rank_fd))
         # Python's default action, as in a local rank: SIGTERM ends the process
         # unless fn installs a handler of its own.
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -139,21 +129,19 @@ class RankActor:
                 error = RuntimeError(f"rank {rank} could not unpickle fn and args: {exc!r}")
                 error.__cause__ = exc
                 return Kind.RAISED, encode_exception(error), 1
-            try:
-                return _call(fn, rank, args, loop)
-            except _Terminated:
-                terminated = True
-                raise
+            ending = run_fn(fn, rank, args, loop)
+            terminated = ending.terminated
+            return ending.frame
         finally:
             # What the rank sent and a cancellation left queued goes out first,
             # then through the board, before the supervisor learns of the end.
-            finish_channel(api._frames, CHANNEL_PATIENCE)
+            api.end(CHANNEL_PATIENCE)
             relay.finish(CHANNEL_PATIENCE)
             self._done.set()
             if terminated:
                 # SIGTERM cancelled an async fn, which ran its cleanup: the
                 # process now dies of SIGTERM, as a local rank does.
-                _die_of_sigterm()
+                die_of_sigterm()
 
     def _take_signals(self, board: Any, token: str, key: str) -> None:
         import ray
@@ -172,25 +160,6 @@ class RankActor:
 
 #: Seconds a rank's end waits for what it sent to reach the board.
 CHANNEL_PATIENCE = 5.0
-
-
-def _call(fn: Any, rank: int, args: tuple[Any, ...], loop: str) -> Outcome:
-    """:func:`~aiospawn._rank.wire.call`, running an ``async def fn`` on its own loop.
-
-    Raises:
-        _Terminated: SIGTERM cancelled the ``async def fn`` (its cleanup has run).
-    """
-    try:
-        value = fn(rank, *args)
-        if isinstance(value, Coroutine):
-            value = _run_async(value, loop)
-    except _Terminated:
-        raise
-    except SystemExit as exc:
-        return encode_exit(exc)
-    except BaseException as exc:
-        return Kind.RAISED, encode_exception(from_fn(exc)), 1
-    return encode_value(value)
 
 
 #: The signals the board carries: the supervisor's SIGTERM (SIGKILL is ray.kill).
