@@ -19,12 +19,19 @@ import signal
 from collections.abc import Coroutine
 
 from . import api
-from .outcome import Terminated
 
 # For the checker only: a rank never imports typing (the package's import rule).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
+
+
+class Terminated(BaseException):
+    """SIGTERM cancelled an ``async def fn``, which has run its cleanup.
+
+    Raised by :func:`run_coroutine`; :func:`~aiospawn._rank.outcome.run_fn`
+    turns it into ``Ending.terminated``.
+    """
 
 
 def run_coroutine(main: Coroutine[Any, Any, Any], loop: str) -> Any:

@@ -47,14 +47,6 @@ if TYPE_CHECKING:
     from .wire import Outcome
 
 
-class Terminated(BaseException):
-    """SIGTERM cancelled an ``async def fn``, which has run its cleanup.
-
-    Raised by :func:`~aiospawn._rank.async_main.run_coroutine`; :func:`run_fn`
-    turns it into :attr:`Ending.terminated`.
-    """
-
-
 class Ending:
     """How ``fn`` ended: the outcome frame, the exit status, and when.
 
@@ -119,21 +111,25 @@ def run_fn(fn: Callable[..., Any] | Payload, rank: int, args: tuple[Any, ...], l
             ``"trio"`` or ``"uvloop"``; imported only for one.
     """
     text = None
+    terminated = False
     try:
         try:
             if isinstance(fn, Payload):  # sent by value: unpickled now, after env
                 fn, args = fn.load()
             value = fn(rank, *args)
             if isinstance(value, Coroutine):  # an async def fn: run it on its own loop
-                from .async_main import run_coroutine
+                # Imported only for one, and only here: the async main is a
+                # module of its own, which imports this one.
+                from .async_main import Terminated, run_coroutine
 
-                value = run_coroutine(value, loop)
+                try:
+                    value = run_coroutine(value, loop)
+                except Terminated:
+                    terminated = True
         finally:
             # When fn ended, on the rank's clock: the supervisor orders
             # failures by it, however late it learns of them.
             ended_at = time.time()
-    except Terminated:
-        return Ending(Kind.RAISED, b"", 1, ended_at, terminated=True)
     except SystemExit as exc:
         kind, payload, status = encode_exit(exc)
         if exc.code is not None and not isinstance(exc.code, int):
@@ -142,6 +138,8 @@ def run_fn(fn: Callable[..., Any] | Payload, rank: int, args: tuple[Any, ...], l
         # from_fn: the traceback starts in fn, not in this frame.
         kind, payload, status = Kind.RAISED, encode_exception(from_fn(exc)), 1
     else:
+        if terminated:
+            return Ending(Kind.RAISED, b"", 1, ended_at, terminated=True)
         kind, payload, status = encode_value(value)
         return Ending(kind, payload, status, ended_at, value=value)
     return Ending(kind, payload, status, ended_at, text=text)
