@@ -64,7 +64,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, TypeVarTuple, cast, ove
 
 import anyio
 
-from . import _torch_mp
+from . import _torch_errors, _torch_mp
 from ._api import start_processes as _start_group_async
 from ._api import warn_spawn_only
 from ._core._context import AsyncProcessContext, group_of
@@ -925,10 +925,16 @@ async def _join_step(
     until_all: bool,
 ) -> tuple[bool, list[int]]:
     supervisor = group_of(group)
-    if until_all:
-        done = await supervisor.join(seconds, grace_period)
-    else:
-        done = await supervisor.wait_step(seconds, grace_period)
+    try:
+        if until_all:
+            done = await supervisor.join(seconds, grace_period)
+        else:
+            done = await supervisor.wait_step(seconds, grace_period)
+    except ProcessException as error:
+        twin = _torch_errors.for_torch(error)  # torch's class too, for torch's except clauses
+        if twin is error:
+            raise
+        raise twin from error.__cause__
     return done, supervisor.unjoined()
 
 
@@ -940,7 +946,7 @@ async def _terminate_and_report(
     try:
         await group.join(0)
     except ProcessException as error:
-        return error
+        return _torch_errors.for_torch(error)
     return None
 
 
