@@ -247,6 +247,27 @@ def test_a_combined_failure_pickles_as_combined_where_torch_is_loaded_else_as_ai
         assert fields(plain) == fields(error)
 
 
+class RefusingProcessException(Exception):
+    """A torch class that no class can derive from (a torch of the future, say)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        raise TypeError("no subclasses")
+
+
+def test_a_failure_is_still_reported_when_torchs_classes_cannot_be_combined(
+    torch_spawn: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("ProcessException", "ProcessRaisedException", "ProcessExitedException"):
+        monkeypatch.setattr(torch_spawn, name, RefusingProcessException)
+    for error in some_failures():
+        assert for_torch(error) is error
+    ctx = failing_group("raise ValueError")
+    with pytest.raises(aiospawn.ProcessRaisedException) as caught:
+        join_until_done(ctx)
+    assert type(caught.value) is aiospawn.ProcessRaisedException
+    assert repr(caught.value.__cause__) == repr(ValueError("bad shard 1"))
+
+
 def test_without_torch_loaded_a_failure_is_left_as_it_is(without_torch: None) -> None:
     for error in some_failures():
         assert for_torch(error) is error

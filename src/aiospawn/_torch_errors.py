@@ -77,17 +77,24 @@ def for_torch(error: ProcessException) -> ProcessException:
         error: A failure that :mod:`aiospawn.sync` is about to raise.
 
     Returns:
-        ``error`` itself when torch's spawn module is not loaded, or when it is
-        an instance of torch's class already; otherwise an equal exception of
+        ``error`` itself when torch's spawn module is not loaded, when it is
+        an instance of torch's class already, or when no class can derive
+        from both (a future torch's classes); otherwise an equal exception of
         the combined class, with the same fields, ``__cause__``,
         ``__context__``, notes and traceback.
     """
-    combined = _combined(type(error))
-    if combined is None or isinstance(error, combined):
+    try:
+        combined = _combined(type(error))
+        if combined is None or isinstance(error, combined):
+            return error
+        _, args, state = error.__reduce__()
+        twin = combined(*args)
+        twin.__setstate__(state)
+    except Exception:  # whatever torch's classes became, the failure is reported
+        # A torch whose classes cannot be combined with ours (a metaclass, an
+        # __init_subclass__ that refuses): torch's except clauses then miss
+        # the failure, but the caller still gets it, as aiospawn's own class.
         return error
-    _, args, state = error.__reduce__()
-    twin = combined(*args)
-    twin.__setstate__(state)
     twin.__cause__ = error.__cause__
     twin.__context__ = error.__context__
     twin.__suppress_context__ = error.__suppress_context__
@@ -105,8 +112,13 @@ def rebuild(cls: type[ProcessException], args: tuple[Any, ...]) -> ProcessExcept
         An exception of the combined class if torch's spawn module is loaded in
         this process, else of ``cls``; pickle then restores its ``__dict__``.
     """
-    combined = _combined(cls)
-    return (cls if combined is None else combined)(*args)
+    try:
+        combined = _combined(cls)
+        if combined is not None:
+            return combined(*args)
+    except Exception:  # as in for_torch: then aiospawn's own class
+        pass
+    return cls(*args)
 
 
 def _combined(cls: type[ProcessException]) -> type[ProcessException] | None:
