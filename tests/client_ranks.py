@@ -25,6 +25,23 @@ def report(**fields: Any) -> None:
     print("RESULT " + json.dumps(fields), flush=True)
 
 
+def describe(exc: BaseException) -> dict[str, Any]:
+    """What reached a client's caller: its class, whether aiospawn's and torch's
+    ``ProcessRaisedException`` catch it, the rank and pid it names, and its cause."""
+    import torch.multiprocessing
+
+    import aiospawn
+
+    return {
+        "error": type(exc).__name__,
+        "aiospawn": isinstance(exc, aiospawn.ProcessRaisedException),
+        "torch": isinstance(exc, torch.multiprocessing.ProcessRaisedException),
+        "index": getattr(exc, "error_index", None),
+        "pid": getattr(exc, "error_pid", None),
+        "cause": repr(exc.__cause__),
+    }
+
+
 def pid_file(directory: str, rank: int) -> Path:
     return Path(directory, f"rank{rank}.pid")
 
@@ -39,14 +56,14 @@ def note_pid(directory: str, rank: int) -> None:
     pid_file(directory, rank).write_text(f"{os.getpid()} {int(leads)}")
 
 
-def left_running(directory: str) -> list[int]:
-    """The ranks' pids (from their notes in ``directory``) that still exist, zombies included.
+def left_running(directory: str, notes: str = "rank*.pid") -> list[int]:
+    """The ranks' pids (from their ``notes`` in ``directory``) that still exist, zombies included.
 
     Called by the program that started the ranks, as soon as its launch call
     returned or raised: aiospawn has reaped every rank by then.
     """
     left = []
-    for path in Path(directory).glob("rank*.pid"):
+    for path in Path(directory).glob(notes):
         pid = int(path.read_text().split()[0])
         try:
             os.kill(pid, 0)

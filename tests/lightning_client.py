@@ -4,7 +4,8 @@
 ``Fabric(accelerator="cpu", devices=2, strategy="ddp_spawn")``, then again
 with a rank that raises (in ``OUT/ok`` and ``OUT/fail``);
 ``python -m tests.lightning_client trainer OUT`` fits a tiny model with
-``Trainer(..., strategy="ddp_spawn", max_steps=3)``. Both first put
+``Trainer(..., strategy="ddp_spawn", max_steps=3)``, then again with a rank
+whose training step raises (in ``OUT/ok`` and ``OUT/fail``). Both first put
 ``aiospawn.sync`` in place of ``torch.multiprocessing`` in lightning's two
 multiprocessing launchers, the modules that start the ranks. Each rank leaves
 its pid (and the trainer's ranks their final weights) in OUT; the program
@@ -24,7 +25,7 @@ from lightning.fabric.strategies.launchers import multiprocessing as fabric_laun
 from lightning.pytorch.strategies.launchers import multiprocessing as trainer_launcher
 
 import aiospawn.sync
-from tests.client_ranks import FAILING_RANK, FAILURE, left_running, note_pid, report
+from tests.client_ranks import FAILING_RANK, FAILURE, describe, left_running, note_pid, report
 
 
 def swap() -> None:
@@ -56,12 +57,17 @@ def fabric_job(fabric: Any, out: str, fail: bool) -> list[list[float]]:
 
 
 class TinyModel(lightning.LightningModule):
-    def __init__(self, out: str) -> None:
+    """With ``fail``, rank :data:`FAILING_RANK`'s second training step raises."""
+
+    def __init__(self, out: str, fail: bool = False) -> None:
         super().__init__()
         self.out = out
+        self.fail = fail
         self.layer = torch.nn.Linear(4, 1)
 
     def training_step(self, batch: list[torch.Tensor], index: int) -> torch.Tensor:
+        if self.fail and self.global_rank == FAILING_RANK and self.global_step == 1:
+            raise ValueError(FAILURE)
         loss: torch.Tensor = self.layer(batch[0]).pow(2).mean()
         return loss
 
@@ -90,32 +96,47 @@ def main(argv: list[str]) -> None:
             fabric = lightning.Fabric(accelerator="cpu", devices=2, strategy="ddp_spawn")
             try:
                 results[name] = fabric.launch(fabric_job, str(Path(out, name)), name == "fail")
-            except aiospawn.sync.ProcessRaisedException as exc:
-                results[name] = {
-                    "error": type(exc).__name__,
-                    "index": exc.error_index,
-                    "cause": repr(exc.__cause__),
-                }
+            except BaseException as exc:  # what reached the caller of launch(), whatever it is
+                results[name] = describe(exc)
             results[f"{name}_left"] = left_running(str(Path(out, name)))
         report(**results)
-    else:
+    else:  # a fit that succeeds, then one whose rank 1 fails
+        ok, fail = Path(out, "ok"), Path(out, "fail")
+        ok.mkdir()
+        fail.mkdir()
         torch.manual_seed(0)
-        model = TinyModel(out)
-        trainer = lightning.Trainer(
-            accelerator="cpu",
-            devices=2,
-            strategy="ddp_spawn",
-            max_steps=3,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            default_root_dir=out,
-        )
-        torch.save(model.state_dict(), Path(out, "start.pt"))
+        model = TinyModel(str(ok))
+        trainer = make_trainer(ok)
+        torch.save(model.state_dict(), ok / "start.pt")
         trainer.fit(model)
-        torch.save(model.state_dict(), Path(out, "main.pt"))
-        report(finished=trainer.state.finished)
+        torch.save(model.state_dict(), ok / "main.pt")
+        failing = make_trainer(fail)
+        error: dict[str, Any] = {"error": None}  # nothing reached the caller
+        try:
+            failing.fit(TinyModel(str(fail), fail=True))
+        except BaseException as exc:  # what reached the caller of fit(), whatever it is
+            error = describe(exc)
+        report(
+            finished=trainer.state.finished,
+            ok_left=left_running(str(ok)),
+            fail=error,
+            fail_status=failing.state.status.value,
+            fail_left=left_running(str(fail)),
+        )
+
+
+def make_trainer(out: Path) -> lightning.Trainer:
+    return lightning.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_spawn",
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(out),
+    )
 
 
 if __name__ == "__main__":

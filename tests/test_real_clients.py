@@ -27,6 +27,10 @@ from tests.helpers import is_gone
 
 pytestmark = [
     pytest.mark.torch,
+    # Beyond the client's own tripwire (client()): each client program starts
+    # two to four groups, whose ranks import torch, which takes minutes on a
+    # loaded machine.
+    pytest.mark.timeout(360),
     pytest.mark.skipif(
         importlib.util.find_spec("torch") is None,
         reason="the real clients need torch (pip install torch==2.13.0)",
@@ -78,6 +82,25 @@ def client(module: str, *args: str, cwd: Path) -> dict[str, Any]:
     return fields
 
 
+def rank_raised(directory: Path) -> dict[str, Any]:
+    """What a client's caller gets when rank :data:`~client_ranks.FAILING_RANK` raises.
+
+    aiospawn's ``ProcessRaisedException``, also caught as torch's, naming that
+    rank and the pid it had, with the rank's own ``ValueError`` as its cause
+    (the fields of ``client_ranks.describe``). And no rank is left.
+    """
+    pids = rank_pids(directory)
+    assert all(is_gone(pid) for pid in pids)
+    return {
+        "error": "ProcessRaisedException",
+        "aiospawn": True,
+        "torch": True,
+        "index": client_ranks.FAILING_RANK,
+        "pid": pids[client_ranks.FAILING_RANK],
+        "cause": repr(ValueError(client_ranks.FAILURE)),
+    }
+
+
 def weights(directory: Path) -> list[dict[str, bytes]]:
     """Each rank's saved weights, as the bytes of each tensor."""
     import torch
@@ -127,28 +150,29 @@ def test_lightning_fabric_ddp_spawn_launches_and_reports_a_failing_rank(tmp_path
     assert first == second
     assert all(is_gone(pid) for pid in rank_pids(tmp_path / "ok"))
     # Rank 1 raised: its error reached the caller of launch(), and no rank is left.
-    assert result["fail"] == {
-        "error": "ProcessRaisedException",
-        "index": client_ranks.FAILING_RANK,
-        "cause": repr(ValueError(client_ranks.FAILURE)),
-    }
-    assert all(is_gone(pid) for pid in rank_pids(tmp_path / "fail"))
+    assert result["fail"] == rank_raised(tmp_path / "fail")
     # None was left running when launch() returned, or raised.
     assert (result["ok_left"], result["fail_left"]) == ([], [])
 
 
 @needs("lightning")
-def test_lightning_trainer_ddp_spawn_fits_and_ranks_agree(tmp_path: Path) -> None:
+def test_lightning_trainer_ddp_spawn_fits_and_reports_a_failing_rank(tmp_path: Path) -> None:
     result = client("lightning_client", "trainer", str(tmp_path), cwd=tmp_path)
-    assert result == {"finished": True}
-    assert all(is_gone(pid) for pid in rank_pids(tmp_path))
+    ok = tmp_path / "ok"
+    assert result["finished"]
+    assert all(is_gone(pid) for pid in rank_pids(ok))
     start, main, rank0, rank1 = (
-        {name: t.numpy().tobytes() for name, t in torch_load(tmp_path / f"{name}.pt").items()}
+        {name: t.numpy().tobytes() for name, t in torch_load(ok / f"{name}.pt").items()}
         for name in ("start", "main", "rank0", "rank1")
     )
     assert rank0 == rank1  # DDP kept the ranks' weights equal
     assert main == rank0  # the caller's model got the trained weights back
     assert main != start
+    # Rank 1's training step raised: fit() raised its error, the trainer
+    # recorded the interruption, and no rank was left when fit() returned.
+    assert result["fail"] == rank_raised(tmp_path / "fail")
+    assert result["fail_status"] == "interrupted"
+    assert (result["ok_left"], result["fail_left"]) == ([], [])
 
 
 def torch_load(path: Path) -> dict[str, Any]:
@@ -162,22 +186,51 @@ def torch_load(path: Path) -> dict[str, Any]:
 
 
 @needs("accelerate")
-def test_accelerate_debug_and_notebook_launchers_run_and_a_failing_rank_is_the_root_cause(
-    tmp_path: Path,
-) -> None:
+def test_accelerate_launchers_run_and_a_failing_rank_reaches_the_caller(tmp_path: Path) -> None:
     result = client("accelerate_client", str(tmp_path), cwd=tmp_path)
     for launcher in ("debug", "notebook"):
         out = tmp_path / launcher
         assert all(is_gone(pid) for pid in rank_pids(out)), launcher
         first, second = weights(out)
         assert first == second, launcher
+    # debug_launcher again, rank 1 raising: its error reached the caller.
+    assert result["debug_fail"] == rank_raised(tmp_path / "debug_fail")
     # notebook_launcher again, rank 1 raising: torch's elastic agent, polling
-    # the ranks through aiospawn.sync, names it as the root cause; none is left.
-    assert result == {
-        "root_cause": {
-            "rank": client_ranks.FAILING_RANK,
-            "message": f"ValueError: {client_ranks.FAILURE}",
-        },
-        "left": [],
+    # the ranks through aiospawn.sync, names it as the root cause.
+    assert result["root_cause"] == {
+        "rank": client_ranks.FAILING_RANK,
+        "message": f"ValueError: {client_ranks.FAILURE}",
     }
     assert all(is_gone(pid) for pid in rank_pids(tmp_path / "notebook_fail"))
+    assert (result["debug_left"], result["left"]) == ([], [])
+
+
+@needs("accelerate")
+def test_accelerate_debug_mode_explains_a_failed_environment_check(tmp_path: Path) -> None:
+    # notebook_launcher with ACCELERATE_DEBUG_MODE runs a check in each rank
+    # first, and catches torch's ProcessRaisedException to explain a failure.
+    result = client("accelerate_client", str(tmp_path), "check", cwd=tmp_path)
+    failed, cause = result["failed"], result["failed"]["cause"]
+    assert failed["error"] == "RuntimeError"  # accelerate's, raised from ours
+    assert failed["message"].startswith(
+        "An issue was found when verifying a stable environment for the notebook launcher."
+        "This likely stems from an outside import"
+    )
+    assert (cause["error"], cause["aiospawn"], cause["torch"]) == (
+        "ProcessRaisedException",
+        True,
+        True,
+    )
+    # Every rank failed the check; the reported rank is one of them, with the
+    # pid it had and its own error (each rank's message holds its pid).
+    notes = [path.read_text().split() for path in tmp_path.glob("check*.pid")]
+    assert len(notes) == 2
+    assert all(leads == "1" for _, leads in notes), "a rank was not started by aiospawn"
+    pids = [int(pid) for pid, _ in notes]
+    assert cause["index"] in (0, 1)
+    assert cause["pid"] in pids
+    assert cause["cause"] == repr(
+        RuntimeError(f"Cannot re-initialize CPU in forked subprocess (pid {cause['pid']})")
+    )
+    assert result["left"] == []
+    assert all(is_gone(pid) for pid in pids)

@@ -16,6 +16,7 @@ machinery under them lives here, one concern a module:
 Import rule: ``_interrupts`` and ``_portal`` import the standard library and
 anyio only (``_portal`` also ``_interrupts``), so they can be tested without
 a group. ``_blocking_group`` and ``_loop_guard`` may also import
-``aiospawn._core`` and ``aiospawn._api`` (the async API that starts a
-group). Nothing imports this package but ``aiospawn.sync``.
+``aiospawn._core``, ``aiospawn._api`` (the async API that starts a
+group) and ``aiospawn._torch_errors`` (a failure as torch's class too, once
+torch is loaded). Nothing imports this package but ``aiospawn.sync``.
 """

@@ -34,6 +34,7 @@ import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, cast
 
+from aiospawn import _torch_errors
 from aiospawn._api import start_processes as _start_group_async
 from aiospawn._core._context import AsyncProcessContext, group_of
 from aiospawn._core._errors import ProcessException
@@ -268,10 +269,16 @@ async def _join_step(
     until_all: bool,
 ) -> tuple[bool, list[int]]:
     supervisor = group_of(group)
-    if until_all:
-        done = await supervisor.join(seconds, grace_period)
-    else:
-        done = await supervisor.wait_step(seconds, grace_period)
+    try:
+        if until_all:
+            done = await supervisor.join(seconds, grace_period)
+        else:
+            done = await supervisor.wait_step(seconds, grace_period)
+    except ProcessException as error:
+        twin = _torch_errors.for_torch(error)  # torch's class too, for torch's except clauses
+        if twin is error:
+            raise
+        raise twin from error.__cause__
     return done, supervisor.unjoined()
 
 
@@ -283,7 +290,7 @@ async def _terminate_and_report(
     try:
         await group.join(0)
     except ProcessException as error:
-        return error
+        return _torch_errors.for_torch(error)
     return None
 
 
