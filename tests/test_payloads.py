@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 import aiospawn
-from aiospawn._core._channel import encode
+from aiospawn._core._pickles import encode
 from tests.helpers import tripwire
 
 np = pytest.importorskip("numpy", reason="numpy (the test extra) makes the payloads")

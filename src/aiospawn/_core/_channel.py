@@ -2,30 +2,26 @@
 
 Each attempt at a rank has one :class:`Conversation` over one ``Link`` (the
 backend's frame transport, ``_backend.Link``: a socket pair for local ranks),
-and users hold its thin public handle, :class:`RankChannel`; the group reads
-READY and REPLY frames through the conversation. A restarted
-rank gets a new channel; the old one ends with its attempt, so nothing meant
-for a dead attempt reaches its successor.
+and users hold its thin public handle, :class:`RankChannel`. A restarted rank
+gets a new channel; the old one ends with its attempt, so nothing meant for a
+dead attempt reaches its successor.
 
-Frames are read by whichever task needs one (a ``receive()``, a ``call()``,
-``wait_ready()``, or the group's supervision, which reads while it runs), one
-task at a time; the others wait for what it reads (the ``SingleWatcher``
-pattern, with a condition per waiter). Reading only sorts frames: a message's
-pickle goes into the inbox, a reply's to its call, a READY payload to the
-channel. Nothing is decoded while a frame is taken, so a reader cancelled at
-any point loses nothing; the task that wants an object decodes it, off the
-loop when it is large. A message that cannot be decoded leaves the inbox with
-the error it raised: the next ``receive()`` gets the next message.
+The group's owner pumps every conversation for as long as its attempt runs
+(:meth:`Conversation.pump`): a reader sorts each frame the rank sends (a
+message's pickle into the inbox, a reply's to its call, a READY payload to
+the channel) and a writer writes what senders queued. Users' tasks only queue
+frames and wait for the pump: nothing is decoded while a frame is taken, so a
+task cancelled at any point loses nothing, and a frame queued by a send that
+is cancelled meanwhile is still written whole. The task that wants an object
+decodes it (``_pickles``: off the loop when it is large). A message that
+cannot be decoded leaves the inbox with the error it raised: the next
+``receive()`` gets the next message. The attempt's exit ends its channel (the
+owner releases it), after the frames the rank sent before it.
 
 A frame header that breaks the format (a kind a rank does not send, a size
 out of range: ``wire.FROM_RANK``) breaks the channel: nothing more is read
 from it, its users get the rank's failure, and the group fails that rank
 (:class:`~._outcome.BrokenChannel`) as it fails a hung one.
-
-Pickles are user code both ways (a ``__reduce__``, a class's module import):
-whatever it raises, ``SystemExit`` and ``KeyboardInterrupt`` included, is that
-object's error (``TypeError`` to send, ``pickle.UnpicklingError`` to receive),
-never the caller's own.
 
 Back-pressure, both ways. Incoming: the inbox holds :data:`INBOX_MESSAGES`
 messages (or :data:`INBOX_BYTES`); while it is full nothing more is read, so
@@ -47,7 +43,6 @@ import anyio.abc
 import anyio.to_thread
 from anyio.lowlevel import checkpoint
 
-from aiospawn._rank import wire
 from aiospawn._rank.wire import CALL_ID, FrameError
 from aiospawn._rank.wire import Link as Kind
 
@@ -55,103 +50,13 @@ from ._backend import Link, RankHandle
 from ._concurrency import Broadcast
 from ._errors import ProcessException
 from ._outcome import BrokenChannel, RankExit
+from ._pickles import decode, encode
 
-#: A pickle this large or larger is encoded and decoded on a worker thread.
-THREAD_BYTES = 256 * 1024
 #: Messages (and bytes of them) the supervisor holds for a rank's ``receive()``.
 INBOX_MESSAGES = 64
 INBOX_BYTES = 64 * 1024 * 1024
 #: Bytes that may wait in the outgoing queue when a ``send()`` adds its frame.
 QUEUED_BYTES = 256 * 1024
-
-
-class _TooLarge(Exception):
-    pass
-
-
-class _Sink:
-    """A file for ``pickle.Pickler`` that refuses to grow past :data:`THREAD_BYTES`."""
-
-    def __init__(self) -> None:
-        self.parts: list[bytes] = []
-        self.size = 0
-
-    def write(self, data: bytes | bytearray | pickle.PickleBuffer) -> int:
-        # Protocol 5 hands write() an out-of-band-capable buffer of 64 KiB or
-        # more as it is: a pickle.PickleBuffer (a numpy array's), which has no
-        # len(). Its pickle holds the buffer's bytes in memory order ("A": a
-        # Fortran-ordered buffer stays so), as the unpickler reads them back.
-        with memoryview(data) as view:
-            size = view.nbytes
-            self.size += size
-            if self.size >= THREAD_BYTES:
-                raise _TooLarge
-            self.parts.append(view.tobytes("A"))
-        return size
-
-
-async def encode(obj: Any) -> bytes:
-    """Pickle ``obj``: on the loop while it stays small, else again on a worker thread.
-
-    Raises:
-        TypeError: ``obj`` cannot be pickled (whatever its pickling raised,
-            ``SystemExit`` included, is the cause).
-        ValueError: Its pickle is larger than a frame carries (``wire.MAX_FRAME_BYTES``).
-    """
-    sink = _Sink()
-    try:
-        pickle.Pickler(sink, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
-    except _TooLarge:
-        payload = await anyio.to_thread.run_sync(_dumps, obj)
-    except BaseException as exc:  # a __reduce__ may raise SystemExit: still obj's error
-        raise _unpicklable(obj, exc) from exc
-    else:
-        payload = b"".join(sink.parts)
-    wire.check_size(len(payload))
-    return payload
-
-
-def _dumps(obj: Any) -> bytes:
-    try:
-        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    except BaseException as exc:
-        raise _unpicklable(obj, exc) from exc
-
-
-def _unpicklable(obj: Any, exc: BaseException) -> TypeError:
-    return TypeError(f"cannot send {type(obj).__qualname__} to a rank: {_describe(exc)}")
-
-
-async def decode(payload: bytes | bytearray, what: str) -> Any:
-    """Unpickle a frame's payload, on a worker thread when it is large.
-
-    Args:
-        payload: The pickle.
-        what: What it is, for the error: ``"rank 1's message"``.
-
-    Raises:
-        pickle.UnpicklingError: It cannot be unpickled here; its cause is what
-            the unpickling raised, whatever it was (``SystemExit`` too).
-    """
-    if len(payload) >= THREAD_BYTES:
-        return await anyio.to_thread.run_sync(_loads, payload, what)
-    return _loads(payload, what)
-
-
-def _loads(payload: bytes | bytearray, what: str) -> Any:
-    try:
-        return pickle.loads(payload)
-    except BaseException as exc:  # unpickling runs the rank's code: its error, not ours
-        error = pickle.UnpicklingError(f"{what} cannot be unpickled here: {_describe(exc)}")
-        raise error from exc
-
-
-def _describe(exc: BaseException) -> str:
-    """``repr(exc)``, or its type's name if even that raises."""
-    try:
-        return repr(exc)
-    except BaseException:
-        return f"<{type(exc).__qualname__}: repr() failed>"
 
 
 @final

@@ -25,11 +25,12 @@ from typing import Any
 import anyio
 
 from ._backend import RankHandle
-from ._channel import Conversation, RankChannel, decode, encode
+from ._channel import Conversation, RankChannel
 from ._concurrency import Broadcast
 from ._errors import ProcessException
 from ._events import EventLog, Ready
 from ._outcome import BrokenChannel, RankExit, rebuild_raised
+from ._pickles import decode, encode
 
 
 class LiveRanks:
