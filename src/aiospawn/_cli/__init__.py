@@ -13,7 +13,8 @@ status) is the docs' command-line page (``docs/cli.md``) and ``aiospawn run
 
 One command, four steps, one module each: ``_parse`` (the flag table, with
 ``_values``, each option's value checked, and ``_torchrun``, torchrun's command
-line read beside ours) -> ``_plan`` (a checked command line) -> ``_run``
+line read beside ours) -> ``_plan`` (a checked command line, with ``_target``,
+what each rank runs, found and checked) -> ``_run``
 (supervision and signals, with ``_status``, the live status line) -> ``_report``
 (the summary and the exit status) and ``_errorfile`` (torchrun's error file);
 ``_streams`` makes a closed output pipe end the launcher as it ends other tools.

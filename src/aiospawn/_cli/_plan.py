@@ -20,24 +20,16 @@ import importlib.util
 import math
 import os
 import re
-import shutil
 import signal
-import sys
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import aiospawn
 from aiospawn._core._env import visible_devices
 from aiospawn._core._spec import DEFAULT_PREFIX, make_output_spec, make_spec
-from aiospawn._rank.programs import (
-    rank_function,
-    rank_module,
-    rank_program,
-    rank_script,
-    resolve_function,
-)
 
 from ._parse import SHUTDOWN_SIGNALS, UsageError
+from ._target import search_target_directory, target
 from ._torchrun import Std
 from ._values import STREAM_MODES, seconds
 
@@ -73,7 +65,7 @@ class Plan:
         self.nprocs: int = options.nprocs
         self.start_method: str = options.start_method
         self.preload: list[str] | None = options.preload
-        _search_target_directory(options)
+        search_target_directory(options)
         for name in self.preload or ():
             # As --fn's module is checked: a typo is a usage error, not a failed start.
             try:
@@ -100,7 +92,7 @@ class Plan:
                 "--signals-to-handle with --ray: only SIGINT, SIGTERM, SIGHUP and SIGQUIT,"
                 " which stop the ranks; other signals cannot be passed on to Ray's workers"
             )
-        self.fn, self.args, self.name = _target(options, absolute=self.ray is not None)
+        self.fn, self.args, self.name = target(options, absolute=self.ray is not None)
         self.status: bool | None = options.status
         self.devices_per_rank, self.devices = _devices(options)
         self.virtual_local_rank: bool = options.virtual_local_rank
@@ -476,96 +468,3 @@ def _cli_spelling(message: str) -> str:
     return message.replace("RayBackend", "--ray").replace(
         "name the devices to use", "name them with --devices"
     )
-
-
-def _search_target_directory(options: argparse.Namespace) -> None:
-    """Put first on ``sys.path`` the directory the target's imports start from.
-
-    As the rank will, and as ``python`` does: the current directory for ``-m``
-    and ``--fn``, the script's own for a script (in place of the launcher's
-    own first entry, as ``rank_script`` does it). So the launcher finds the
-    modules the target finds when it checks ``--fn``, ``-m`` and ``--preload``,
-    and so does a warm template, which takes the launcher's ``sys.path`` (run
-    as the ``aiospawn`` command, its first entry is the command's directory).
-    """
-    if options.module or options.fn:
-        if os.getcwd() not in sys.path:
-            sys.path.insert(0, os.getcwd())
-    elif not options.no_python and os.path.exists(options.target):
-        sys.path[0] = os.path.dirname(os.path.abspath(options.target))
-
-
-def _target(
-    options: argparse.Namespace, *, absolute: bool
-) -> tuple[Callable[..., None], tuple[Any, ...], str]:
-    """The rank function and its arguments for the launch mode; UsageError if unusable.
-
-    With ``absolute``, a script's path is made absolute: a Ray worker runs in
-    a directory of its own.
-    """
-
-    target: str = options.target
-    args: list[str] = list(options.args)
-    if options.module:
-        _check_module(target)
-        return rank_module, (target, args), f"-m {target}"
-    if options.fn:
-        module, colon, _ = target.partition(":")
-        if colon and module:
-            _import_here(module, f"--fn {target}")
-        try:
-            resolve_function(target)
-        except Exception as exc:
-            raise UsageError(f"--fn {target}: {exc}") from None
-        return rank_function, (target, args), f"--fn {target}"
-    if options.no_python:
-        if shutil.which(target) is None:
-            raise UsageError(f"--no-python {target}: no such executable program")
-        return rank_program, ([target, *args],), target
-    if not os.path.exists(target):
-        raise UsageError(f"script {target!r} does not exist")
-    path = os.path.abspath(target) if absolute else target
-    return rank_script, (path, args), target
-
-
-#: The variables a rank has and the launcher has not (torchrun's, per rank).
-RANK_VARIABLES = frozenset(
-    {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR"}
-    | {"MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_ERROR_FILE"}
-)
-
-
-def _import_here(module: str, flag: str) -> None:
-    """Import ``module`` in the launcher, to check it; UsageError that says what went wrong."""
-    try:
-        importlib.import_module(module)
-    except ModuleNotFoundError as exc:
-        if exc.name is not None and (module + ".").startswith(exc.name + "."):
-            raise UsageError(f"{flag}: no module named {exc.name!r}") from None
-        raise UsageError(_import_failed(module, flag, exc)) from None
-    except (Exception, SystemExit) as exc:
-        raise UsageError(_import_failed(module, flag, exc)) from None
-
-
-def _import_failed(module: str, flag: str, exc: BaseException) -> str:
-
-    message = (
-        f"{flag}: importing module {module!r} in the launcher, to check that the function"
-        f" exists, raised {type(exc).__name__}: {exc}"
-    )
-    if isinstance(exc, KeyError) and exc.args and exc.args[0] in RANK_VARIABLES:
-        message += (
-            f" ({exc.args[0]} is set in each rank, not in the launcher: read it when the"
-            " function runs, not at import)"
-        )
-    return message
-
-
-def _check_module(name: str) -> None:
-
-    try:
-        spec = importlib.util.find_spec(name)
-    except Exception as exc:  # a parent package failed to import, or a bad name
-        raise UsageError(f"-m {name}: {exc}") from None
-    if spec is None:
-        raise UsageError(f"-m {name}: no module named {name!r}")
