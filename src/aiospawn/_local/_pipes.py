@@ -61,3 +61,15 @@ def close_watched(fd: int) -> None:
     """
     anyio.notify_closing(fd)
     close(fd)
+
+
+async def wait_any_readable(fds: list[int]) -> None:
+    """Wait until one of ``fds`` is readable."""
+    async with anyio.create_task_group() as tg:
+
+        async def wait(fd: int) -> None:
+            await anyio.wait_readable(fd)
+            tg.cancel_scope.cancel()
+
+        for fd in fds:
+            tg.start_soon(wait, fd)

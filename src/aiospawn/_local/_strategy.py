@@ -267,9 +267,9 @@ class Warm(_Pickled):
     exit_via_sentinel = True
 
     def process(self, index: int, writer: ChildEnd, setup: RankSetup, name: str) -> Any:
-        """A :class:`~._template.WarmProcess`; its template is leased by :meth:`start`."""
+        """A :class:`~._warm.WarmProcess`; its template is leased by :meth:`start`."""
         # Imported here: a group without preload= never needs it.
-        from ._template import WarmProcess
+        from ._warm import WarmProcess
 
         fn, args = self.work()
         spec = self.spec
@@ -286,7 +286,8 @@ class Warm(_Pickled):
         """
         from aiospawn._core._backend import raise_start_error
 
-        from ._template import WarmProcess, acquire, release
+        from ._template import acquire, release
+        from ._warm import WarmProcess
 
         try:
             template = await acquire(self.spec.preload)
