@@ -362,7 +362,8 @@ class Group(Generic[T]):
     async def enter_block(self) -> None:
         """Begin an ``async with`` block: a failure of the group cancels it."""
         assert self._block is None
-        await checkpoint()
+        # No checkpoint before the scope is entered: a cancellation there
+        # would leave the started group with no block to stop it.
         self._block = anyio.CancelScope()
         self._block.__enter__()
         if self._root is not None:
