@@ -753,7 +753,7 @@ async def dataplane(result: ScenarioResult, quick: bool) -> None:
                         running.append(transport)
                         continue
                 progress(f"[{result.name}] {transport.name}: skipped, {reason}")
-                result.note(f"Skipped: {transport.name} ({reason}).")
+                result.note(f"Skipped: {transport.name}: {reason}.")
             for case in cases(quick):
                 peers = []
                 for transport in running:
