@@ -78,6 +78,8 @@ class ScenarioResult:
     load_after: tuple[float, float, float] = (0.0, 0.0, 0.0)
     seconds: float = 0.0
     skipped: str | None = None
+    #: case -> the peer whose median the report divides by ("ratio to floor"), if any.
+    floors: dict[str, str] = field(default_factory=dict)
 
     def add(self, case: str, peer: str, measure: Measure) -> None:
         """Append one run's measure to the series of ``case`` and ``peer``."""
@@ -121,11 +123,15 @@ class Peer:
     warmup: int = 0
 
 
-async def alternate(result: ScenarioResult, case: str, peers: list[Peer]) -> None:
+async def alternate(
+    result: ScenarioResult, case: str, peers: list[Peer], *, rotate: bool = False
+) -> None:
     """Run ``peers`` in alternation, ``peer.trials`` times each, and record their measures.
 
     Warm-up runs (their results discarded) come first, one peer after the
-    other. A peer with fewer trials drops out of the later rounds. Blocking
+    other. A peer with fewer trials drops out of the later rounds. With
+    ``rotate``, each round starts one peer later than the one before (A B C,
+    B C A, C A B), so that no peer always runs right after the same one. Blocking
     peers run right here, on the event-loop thread: nothing else runs on the
     loop meanwhile, so it is as if they ran in a plain thread.
     """
@@ -134,7 +140,8 @@ async def alternate(result: ScenarioResult, case: str, peers: list[Peer]) -> Non
             await call(peer.run)
             progress(f"[{result.name}] {case} | {peer.name}: warm-up done")
     for index in range(max(peer.trials for peer in peers)):
-        for peer in peers:
+        shift = index % len(peers) if rotate else 0
+        for peer in peers[shift:] + peers[:shift]:
             if index >= peer.trials:
                 continue
             gc.collect()

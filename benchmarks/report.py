@@ -23,8 +23,8 @@ class Check:
     verdict: str  # "pass", "fail" or "n/a"
 
 
-def machine(*, ray: bool = False) -> dict[str, str]:
-    """What the figures depend on: cores, CPU, Python, kernel, versions (Ray's too), date."""
+def machine(*, ray: bool = False, extra: tuple[str, ...] = ()) -> dict[str, str]:
+    """What the figures depend on: cores, CPU, Python, kernel, versions (Ray's, ``extra``), date."""
     model = "unknown"
     try:
         with open("/proc/cpuinfo") as file:
@@ -35,7 +35,8 @@ def machine(*, ray: bool = False) -> dict[str, str]:
     except OSError:
         pass
     versions = []
-    for name in ("aiospawn", "anyio", "torch", *(("ray",) if ray else ())):
+    names = ("aiospawn", "anyio", "torch", *(("ray",) if ray else ()), *extra)
+    for name in dict.fromkeys(names):
         try:
             versions.append(f"{name} {importlib.metadata.version(name)}")
         except importlib.metadata.PackageNotFoundError:
@@ -77,11 +78,34 @@ def _best_medians(series: Iterable[Series]) -> dict[tuple[str, str], float]:
     return best
 
 
+def _floor_median(result: ScenarioResult, case: str, metric: str) -> float | None:
+    """The median of the case's floor peer (``result.floors``) for ``metric``, if measured."""
+    floor = result.floors.get(case)
+    for item in result.series:
+        if (item.case, item.metric, item.peer) == (case, metric, floor):
+            return item.median
+    return None
+
+
+def _ratio_to_floor(result: ScenarioResult, item: Series) -> str:
+    reference = _floor_median(result, item.case, item.metric)
+    if reference is None or reference <= 0 or higher_is_better(item.unit):
+        return "-"
+    return f"{item.median / reference:.2f}x"
+
+
 def scenario_table(result: ScenarioResult) -> str:
-    """The Markdown table of one scenario: a row per case, metric and peer."""
+    """The Markdown table of one scenario: a row per case, metric and peer.
+
+    A scenario that names a floor per case (``result.floors``) gets a column
+    more: each median divided by the floor's.
+    """
+    floors = bool(result.floors)
     lines = [
-        "| case | metric | peer | median | p95 | ratio to best | n |",
-        "|---|---|---|---:|---:|---:|---:|",
+        "| case | metric | peer | median | p95 | ratio to best |"
+        + (" ratio to floor |" if floors else "")
+        + " n |",
+        "|---|---|---|---:|---:|---:|" + ("---:|" if floors else "") + "---:|",
     ]
     best = _best_medians(result.series)
     order = {peer: index for index, peer in enumerate(dict.fromkeys(s.peer for s in result.series))}
@@ -97,11 +121,64 @@ def scenario_table(result: ScenarioResult) -> str:
             ratio = f"{reference / item.median:.2f}x" if item.median > 0 else "-"
         else:
             ratio = f"{item.median / reference:.2f}x" if reference > 0 else "-"
+        to_floor = f" {_ratio_to_floor(result, item)} |" if floors else ""
         lines.append(
             f"| {item.case} | {item.metric} | {item.peer} | {fmt(item.median)} | {fmt(item.p95)}"
-            f" | {ratio} | {len(item.samples)} |"
+            f" | {ratio} |{to_floor} {len(item.samples)} |"
         )
     return "\n".join(lines)
+
+
+def floor_matrix(result: ScenarioResult) -> str:
+    """Peers down, cases across: each case's first metric, with its ratio to the case's floor.
+
+    Then, for the cases that measured it, the event loop's worst gap. Only for a
+    scenario that names its floors (``result.floors``); else the empty string.
+    """
+    if not result.floors:
+        return ""
+    cases = list(dict.fromkeys(s.case for s in result.series))
+    peers = list(dict.fromkeys(s.peer for s in result.series))
+    found = {(s.case, s.metric, s.peer): s for s in result.series}
+    first = {case: next(s.metric for s in result.series if s.case == case) for case in cases}
+    out = []
+    for title, columns in (
+        ("Medians, and their ratio to the floor (the floor's own row reads 1.00x)", first),
+        (
+            "The event loop's worst gap during each request [ms] (1 ms ticker)",
+            {
+                case: "worst loop gap [ms]"
+                for case in cases
+                if any(key[:2] == (case, "worst loop gap [ms]") for key in found)
+            },
+        ),
+    ):
+        if not columns:
+            continue
+        out += [
+            f"{title}:",
+            "",
+            "| peer | "
+            + " | ".join(f"{case} [{columns[case].rpartition('[')[2]}" for case in columns)
+            + " |",
+            "|---|" + "---:|" * len(columns),
+        ]
+        for peer in peers:
+            cells = []
+            for case, metric in columns.items():
+                item = found.get((case, metric, peer))
+                if item is None:
+                    cells.append("-")
+                    continue
+                ratio = _ratio_to_floor(result, item)
+                cells.append(
+                    fmt(item.median)
+                    if ratio == "-" or "gap" in metric
+                    else f"{fmt(item.median)} ({ratio})"
+                )
+            out.append(f"| {peer} | " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
 
 
 def _median(
@@ -304,6 +381,7 @@ def checks(results: dict[str, ScenarioResult]) -> list[Check]:
             _bound_check("warm restart of a torch rank < 100 ms", "restart", restart, 100.0, "ms")
         )
     found += _live_checks(results)
+    found += _dataplane_checks(results)
     return found
 
 
@@ -367,6 +445,54 @@ def _live_checks(results: dict[str, ScenarioResult]) -> list[Check]:
     return found
 
 
+def _dataplane_checks(results: dict[str, ScenarioResult]) -> list[Check]:
+    """Issue 26's targets: aiospawn against the floors, measured in the same run."""
+    result = results.get("dataplane")
+    if result is None:
+        return []
+
+    def median(case: str, metric: str, peer: str) -> float | None:
+        return _median(results, "dataplane", case, metric, peer)
+
+    found = []
+    small = [case for case in result.floors if case.startswith("64 B round trip")]
+    for case, peer, metric, bound in (
+        *((case, "aiospawn channel", "p50 [µs]", 1.5) for case in small[:1]),
+        *((case, "aiospawn ctx.call", "p50 [µs]", 2.0) for case in small[:1]),
+        *((case, "aiospawn ctx.call", "p50 [µs]", 1.3) for case in small[1:2]),
+        *(
+            (case, "aiospawn channel", "p50 [ms]", 1.5)
+            for case in result.floors
+            if case.startswith("1 MB")
+        ),
+        *(
+            (case, peer, "time [ms]", 0.35 if case.endswith(" 1 rank") else 0.25)
+            for case in result.floors
+            if case.startswith("100 MB") and " to " in case
+            for peer in ("aiospawn channel", "aiospawn ctx.call")
+        ),
+    ):
+        floor = result.floors[case]
+        found.append(
+            _ratio_check(
+                f"{peer} within {bound}x of the {floor}",
+                f"{case}, {metric}",
+                median(case, metric, peer),
+                median(case, metric, floor),
+                lambda a, b, bound=bound: a <= bound * b,
+                floor,
+            )
+        )
+    for case in result.floors:
+        for peer in ("aiospawn channel", "aiospawn ctx.call"):
+            gap = median(case, "worst loop gap [ms]", peer)
+            if gap is not None:
+                found.append(
+                    _bound_check(f"{peer}: the loop's worst gap < 20 ms", case, gap, 20.0, "ms")
+                )
+    return found
+
+
 def markdown(
     results: list[ScenarioResult],
     host: dict[str, str],
@@ -425,9 +551,11 @@ def markdown(
         out += [
             f"Load average before: {before}; after: {after}; took {result.seconds:.0f} s.",
             "",
-            scenario_table(result),
-            "",
         ]
+        matrix = floor_matrix(result)
+        if matrix:
+            out += [matrix, ""]
+        out += [scenario_table(result), ""]
         out += [f"- {note}" for note in result.notes]
         out.append("")
     return "\n".join(out)

@@ -1,9 +1,10 @@
 """Benchmark aiospawn against torch.multiprocessing, plain multiprocessing and torchrun.
 
-    python benchmarks/run.py             # every scenario but ray; about 10 minutes on 2 cores
+    python benchmarks/run.py             # every scenario but ray and dataplane; about 10 min
     python benchmarks/run.py --quick     # fewer trials and ranks; about 2 minutes
     python benchmarks/run.py --only failure
     python benchmarks/run.py --with-ray  # and the ray scenario (the ray extra, a local cluster)
+    python benchmarks/run.py --only dataplane  # issue 26: the data plane against its peers
 
 Prints a Markdown table and writes benchmarks/results.md and results.png.
 Each scenario runs in a fresh interpreter (``--worker``), so a forkserver, a
@@ -35,11 +36,18 @@ SCENARIOS = {
     "warm": ("bench_warm", "warm", "Warm starts: torch ranks forked from a preloaded template"),
     "live": ("bench_live", "live", "Live ranks: channels and collective calls"),
     "ray": ("bench_ray", "ray_backend", "Ray backend against local ranks"),
+    "dataplane": (
+        "bench_dataplane",
+        "dataplane",
+        "The data plane against the floors and its peers (issue 26)",
+    ),
 }
 
 #: Scenarios a run leaves out unless named: ``ray`` needs the ray extra and
-#: starts a two-node Ray cluster on this machine (``--with-ray`` or ``--only ray``).
-OPT_IN = ("ray",)
+#: starts a two-node Ray cluster on this machine (``--with-ray`` or ``--only ray``);
+#: ``dataplane`` starts about 90 worker processes and a Ray instance, and takes about
+#: 15 minutes (``--only dataplane``).
+OPT_IN = ("ray", "dataplane")
 
 
 def main(argv: list[str]) -> int:
@@ -104,6 +112,9 @@ def _worker(name: str, quick: bool, backend: str, json_path: str) -> int:
 
 #: What the bench extra installs, as imported (each scenario's peers need them).
 _BENCH_EXTRA = ("torch", "matplotlib", "psutil")
+
+#: The dataplane scenario's peers, as distributions: their versions go in the report.
+_DATAPLANE_PEERS = ("numpy", "pyzmq", "ray", "vllm", "torchmonarch")
 
 #: What the workers and their ranks import, compiled once before anything is timed.
 _WARM_IMPORTS = (
@@ -178,7 +189,7 @@ def _orchestrate(names: list[str], quick: bool, backend: str, out: str | None) -
     plotted = plot(results, chart)
     text = markdown(
         results,
-        machine(ray="ray" in names),
+        machine(ray="ray" in names, extra=_DATAPLANE_PEERS if "dataplane" in names else ()),
         mode=mode,
         failures=failures,
         chart=os.path.basename(chart) if plotted else None,
