@@ -10,7 +10,9 @@ backend can run (``Backend.check``).
 
 from __future__ import annotations
 
+import importlib
 import os
+import sys
 import warnings
 from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from contextlib import asynccontextmanager
@@ -25,6 +27,7 @@ from typing import (
     overload,
 )
 
+from ._core._loops import runs_asyncio
 from ._core._notebook import default_stream_mode, signals_wake_the_loop
 
 if TYPE_CHECKING:
@@ -417,6 +420,7 @@ async def _start_group(
     *,
     refuse_capture: bool = False,
 ) -> AsyncProcessContext[Any]:
+    await _import_off_the_loop(_CHECKS)
     from ._core._policy import RestartPolicy, Supervision
     from ._core._spec import DEFAULT_PREFIX, check_seconds, make_output_spec, make_spec
 
@@ -473,6 +477,53 @@ async def _start_group(
     if isinstance(backend, LocalBackend):
         # Before the supervisor's modules are imported: a fork server starts up meanwhile.
         await backend.prepare(spec)
+    await _import_off_the_loop(_SUPERVISOR)
     from ._core._context import AsyncProcessContext
 
     return await AsyncProcessContext._start(spec, supervision, backend)
+
+
+#: The modules a first call imports to check its arguments, and then to
+#: supervise the group (each pulls in what it needs: anyio, multiprocessing).
+_CHECKS = ("aiospawn._core._policy", "aiospawn._core._spec", "aiospawn._local._backend")
+_SUPERVISOR = (
+    "aiospawn._core._context",
+    "aiospawn._core._shutdown",
+    "aiospawn._local._launcher",
+    "aiospawn._local._strategy",
+    "aiospawn._local._rank",
+    "aiospawn._local._output",
+    "aiospawn._local._link",
+    "aiospawn._local._progress",
+    "aiospawn._rank.bootstrap",
+    "multiprocessing.spawn",
+    "multiprocessing.popen_spawn_posix",
+    "multiprocessing.resource_tracker",
+)
+
+
+async def _import_off_the_loop(names: tuple[str, ...]) -> None:
+    """Import ``names`` on a worker thread if they are not imported yet.
+
+    A first call imports a few hundred milliseconds' worth of modules on a
+    loaded machine (tens on a quiet one): on the loop, that would stall every
+    other task of the program, a service's requests included. On a thread, the
+    loop runs between the import's bytecodes. Later calls find them imported
+    and pay nothing. A cancellation leaves the import to finish on its thread.
+    """
+    missing = [name for name in names if name not in sys.modules]
+    if not missing:
+        return
+    if runs_asyncio():
+        import asyncio  # the caller's loop: imported already
+
+        await asyncio.get_running_loop().run_in_executor(None, _import_all, missing)
+    else:
+        import trio  # the caller's loop: imported already
+
+        await trio.to_thread.run_sync(_import_all, missing)
+
+
+def _import_all(names: list[str]) -> None:
+    for name in names:
+        importlib.import_module(name)
