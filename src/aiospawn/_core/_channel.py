@@ -443,6 +443,11 @@ class Conversation:
             ProcessException: The rank failed before it answered.
             anyio.BrokenResourceError: The rank ended, or closed its channel,
                 without answering.
+
+        Cancellation:
+            If the CALL frame was queued, a CANCEL frame follows it (queued
+            without waiting), so that the rank cancels the handler; an answer
+            that comes later is dropped.
         """
         await checkpoint()
         self._check_sendable()

@@ -156,29 +156,28 @@ class AsyncChannel:
     async def _next_request(self, busy: bool) -> tuple[int, int | bytes | bytearray]:
         """``(CANCEL, call id)`` or ``(CALL, frame)``: what ``serve()`` takes next.
 
-        Cancellations first: each names a call taken already. ``busy``: calls
-        are running, and their answers write what a cancelled send left.
+        Cancellations first, those read with a call too: each names a call
+        taken before. ``busy``: calls are running, and their answers will
+        write what a cancelled send left.
 
         Raises:
             EOFError: The supervisor closed its end, and nothing is left to take.
+            ConnectionError: A frame broke the channel's format, and nothing is left.
         """
         frames = self._frames
         while True:
             frames._check_open()
             if frames.unsent and self._sender is None and not busy:
                 await self._flush()  # what a cancelled send left, first
+            if not (frames.cancels or frames.calls):
+                frames.read_some()
             if frames.cancels:
                 return Link.CANCEL, frames.cancels.popleft()
-            try:
-                call = frames.take(frames.calls)
-            except EOFError:
-                if frames.cancels:  # read with the end: still to be acted on
-                    continue
-                raise
-            if call is not None:
-                return Link.CALL, call
-            if not frames.cancels:
-                await self._wait(write=False)
+            if frames.calls:
+                return Link.CALL, frames.calls.popleft()
+            if frames.peer_closed:
+                raise frames.end()
+            await self._wait(write=False)
 
     async def _wait(self, write: bool) -> None:
         fd = self._frames.fd

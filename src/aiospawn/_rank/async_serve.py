@@ -1,16 +1,21 @@
 """``await aiospawn.serve(handler)`` in an async rank: each call its own task, cancellable.
 
 A sync rank answers calls one at a time (``channel.Channel.serve``). An async
-rank runs each CALL in a task of its own, on the rank's loop, so that calls
-overlap: three calls that each wait a second take a second together. A CANCEL
-frame (the supervisor's call was cancelled, or timed out) cancels the task of
-the call it names, whose ``finally`` blocks then run; it sends no answer (the
-supervisor would drop it). ``limit`` bounds the calls that run at once; the
-rest wait in the order they came, and a CANCEL drops a waiting call unrun::
+rank runs the ``async def`` method of each CALL in a task of its own, on the
+rank's loop, so that calls overlap: three calls that each wait a second take a
+second together. A CANCEL frame (the supervisor's call was cancelled, or timed
+out) cancels the task of the call it names, whose ``finally`` blocks then run;
+it sends no answer (the supervisor would drop it). ``limit`` bounds the calls
+that run at once; the rest wait in the order they came, and a CANCEL drops a
+waiting call unrun::
 
-    socket ─► Frames ─► calls ──► dispatch ─► running (≤ limit): one task each ─► REPLY
+    socket ─► Frames ─► calls ──► dispatch ─► running (≤ limit): a task each ─► REPLY
                     └─► cancels ─┘        └─► waiting ──(a task ends)──┘
                       (of calls taken)        (a CANCEL drops it)
+
+A sync method runs where the call starts, in the dispatch loop, and is
+answered there: it holds the loop until it returns whatever task runs it, so
+a task would only add its cost (a sizeable part of a short call's).
 
 The dispatch loop and the calls are tasks of one task group (a trio nursery,
 an ``asyncio.TaskGroup``), and none of them raises out of it but a
@@ -41,7 +46,7 @@ from .wire import CALL_ID, Link, from_fn
 # For the checker only: a rank never imports typing (the package's import rule).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Coroutine
     from typing import Any
 
     from .async_channel import AsyncChannel
@@ -50,8 +55,9 @@ if TYPE_CHECKING:
 class Calls:
     """The calls one ``serve()`` runs, waits to run, and was asked to cancel.
 
-    The loop-specific parts (start a task, cancel them all) are callables that
-    :func:`serve_asyncio` and :func:`serve_trio` set.
+    The loop-specific parts (run a handler's coroutine in a task, run a
+    coroutine, cancel them all) are callables that :func:`serve_asyncio` and
+    :func:`serve_trio` set.
     """
 
     def __init__(self, channel: AsyncChannel, handler: Any, limit: int | None) -> None:
@@ -59,7 +65,7 @@ class Calls:
         self.handler = handler
         self.limit = limit
         #: Call id -> what cancels its task, while its handler runs.
-        self.running: dict[int, Callable[[], None]] = {}
+        self.running: dict[int, Callable[[], object]] = {}
         self.waiting: collections.deque[bytes | bytearray] = collections.deque()
         #: Calls whose task was cancelled at the supervisor's request.
         self.cancelled: set[int] = set()
@@ -67,7 +73,10 @@ class Calls:
         self.stopping = False
         #: What ends ``serve()``, raised once every task has ended.
         self.error: BaseException | None = None
-        self.start: Callable[[bytes | bytearray], None] = _unset
+        #: Starts the task of call ``id`` awaiting ``awaitable``; what cancels it, if it started.
+        self.run_call: Callable[[int, Any], Callable[[], object] | None] = _unset
+        #: Runs a coroutine in a task of the group.
+        self.spawn: Callable[[Coroutine[Any, Any, None]], object] = _unset
         self.stop_all: Callable[[], None] = _unset
 
     def take(self, call: bytes | bytearray) -> None:
@@ -76,6 +85,20 @@ class Calls:
             self.waiting.append(call)
         else:
             self.start(call)
+
+    def start(self, call: bytes | bytearray) -> None:
+        """Run a sync method and answer; give an ``async def`` one's coroutine a task."""
+        try:
+            call_id, ok, value = answer(self.handler, call)
+        except BaseException as exc:  # a sync method's SystemExit or KeyboardInterrupt
+            self.fail(exc)
+            return
+        if ok and hasattr(value, "__await__"):
+            stop = self.run_call(call_id, value)
+            if stop is not None:
+                self.running[call_id] = stop
+        else:
+            self.answer_now(call_id, ok, value)
 
     def cancel(self, call_id: int) -> None:
         """The supervisor gave up on ``call_id``: cancel its task, or drop it unrun."""
@@ -94,7 +117,12 @@ class Calls:
         """A call's handler is done (its answer may still be on its way): the next may start."""
         del self.running[call_id]
         self.cancelled.discard(call_id)
-        if self.waiting and not self.stopping:
+        # A waiting sync method runs and answers at once: the next one may follow.
+        while (
+            self.waiting
+            and not self.stopping
+            and (self.limit is None or len(self.running) < self.limit)
+        ):
             self.start(self.waiting.popleft())
 
     def fail(self, error: BaseException) -> None:
@@ -121,20 +149,29 @@ class Calls:
         except Exception as exc:  # the channel broke or was closed: serve() raises it as it is
             self.fail(exc)
 
-    async def answer(self, call: bytes | bytearray) -> tuple[bool, Any]:
-        """Run the handler's method for ``call``: ``(ok, its value or what it raised)``."""
-        _, ok, value = answer(self.handler, call)
-        if ok and hasattr(value, "__await__"):  # an async def method
-            try:
-                value = await value
-            except Exception as exc:
-                ok, value = False, from_fn(exc)
-        return ok, value
-
-    async def send_reply(self, call_id: int, ok: bool, value: Any) -> None:
-        """Queue the answer to ``call_id`` and write it; it goes out whole even if cancelled."""
+    @staticmethod
+    async def outcome(pending: Any) -> tuple[bool, Any]:
+        """``(ok, value or what it raised)`` of an ``async def`` method's coroutine."""
         try:
-            self.channel._frames.queue(Link.REPLY, reply(call_id, ok, value))
+            return True, await pending
+        except Exception as exc:
+            return False, from_fn(exc)
+
+    def answer_now(self, call_id: int, ok: bool, value: Any) -> None:
+        """Queue the answer and write what the socket takes; a task writes the rest."""
+        frames = self.channel._frames
+        try:
+            frames.queue(Link.REPLY, reply(call_id, ok, value))
+            if frames.write_some():
+                return
+        except Exception as exc:  # the channel broke, or was closed, under the call
+            self.fail(exc)
+            return
+        self.spawn(self.flush())
+
+    async def flush(self) -> None:
+        """Write what is queued; the frames go out whole even if this is cancelled."""
+        try:
             await self.channel._flush()
         except Exception as exc:  # the channel broke, or was closed, under the call
             self.fail(exc)
@@ -147,8 +184,15 @@ def _cancelled(exc: BaseException, cancelled: type[BaseException]) -> bool:
     return isinstance(exc, cancelled)
 
 
-def _unset(*args: Any) -> None:
+def _unset(*args: Any) -> Any:
     raise AssertionError("set by serve_asyncio() or serve_trio()")
+
+
+def _close(awaitable: Any) -> None:
+    """Close a coroutine that will never run (no "never awaited" warning)."""
+    close = getattr(awaitable, "close", None)
+    if close is not None:
+        close()
 
 
 async def serve_asyncio(calls: Calls) -> None:
@@ -159,9 +203,9 @@ async def serve_asyncio(calls: Calls) -> None:
     assert serving is not None
     tasks: set[asyncio.Task[None]] = set()
 
-    async def run(call_id: int, call: bytes | bytearray) -> None:
+    async def run(call_id: int, pending: Any) -> None:
         try:
-            ok, value = await calls.answer(call)
+            ok, value = await calls.outcome(pending)
         except asyncio.CancelledError as exc:
             if call_id in calls.cancelled or calls.stopping:
                 return  # asked for (a CANCEL, or serve() ending): nobody waits for an answer
@@ -175,11 +219,18 @@ async def serve_asyncio(calls: Calls) -> None:
             return
         finally:
             calls.ended(call_id)
-        await calls.send_reply(call_id, ok, value)
+            _close(pending)  # never started, if cancelled at once
+        frames = calls.channel._frames
+        try:
+            frames.queue(Link.REPLY, reply(call_id, ok, value))
+        except Exception as exc:  # the rank closed its channel under the call
+            calls.fail(exc)
+            return
+        await calls.flush()
 
     async with asyncio.TaskGroup() as group:
 
-        def spawn(coro: Any) -> asyncio.Task[None] | None:
+        def spawn(coro: Coroutine[Any, Any, None]) -> asyncio.Task[None] | None:
             try:
                 task = group.create_task(coro)
             except RuntimeError:  # the group is shutting down: serve() is cancelled
@@ -190,17 +241,18 @@ async def serve_asyncio(calls: Calls) -> None:
             task.add_done_callback(tasks.discard)
             return task
 
-        def start(call: bytes | bytearray) -> None:
-            (call_id,) = CALL_ID.unpack_from(call)
-            task = spawn(run(call_id, call))
-            if task is not None:
-                calls.running[call_id] = task.cancel
+        def run_call(call_id: int, pending: Any) -> Callable[[], object] | None:
+            task = spawn(run(call_id, pending))
+            if task is None:
+                _close(pending)
+                return None
+            return task.cancel
 
         def stop_all() -> None:
             for task in tasks:
                 task.cancel()
 
-        calls.start, calls.stop_all = start, stop_all
+        calls.run_call, calls.spawn, calls.stop_all = run_call, spawn, stop_all
         spawn(calls.dispatch())
     if calls.error is not None:
         raise calls.error
@@ -210,13 +262,13 @@ async def serve_trio(calls: Calls) -> None:
     """:class:`Calls` on trio: a task per call, each in a cancel scope, in one nursery."""
     import trio
 
-    async def run(call_id: int, call: bytes | bytearray, scope: trio.CancelScope) -> None:
+    async def run(call_id: int, pending: Any, scope: trio.CancelScope) -> None:
         try:
             with scope:
                 # A call started as serve() ends (a task ended meanwhile) must
-                # not run: a sync method would run whole before any checkpoint.
+                # not run its method's code before its first checkpoint.
                 await trio.lowlevel.checkpoint_if_cancelled()
-                ok, value = await calls.answer(call)
+                ok, value = await calls.outcome(pending)
         except BaseException as exc:
             if _cancelled(exc, trio.Cancelled):
                 calls.stopping = True
@@ -225,19 +277,32 @@ async def serve_trio(calls: Calls) -> None:
             return
         finally:
             calls.ended(call_id)
+            _close(pending)  # never started, if cancelled at once
         if scope.cancelled_caught:
             return  # a CANCEL: nobody waits for an answer
-        await calls.send_reply(call_id, ok, value)
+        frames = calls.channel._frames
+        try:
+            frames.queue(Link.REPLY, reply(call_id, ok, value))
+        except Exception as exc:  # the rank closed its channel under the call
+            calls.fail(exc)
+            return
+        await calls.flush()
 
     async with trio.open_nursery() as nursery:
 
-        def start(call: bytes | bytearray) -> None:
-            (call_id,) = CALL_ID.unpack_from(call)
+        def run_call(call_id: int, pending: Any) -> Callable[[], object]:
             scope = trio.CancelScope()
-            calls.running[call_id] = scope.cancel
-            nursery.start_soon(run, call_id, call, scope)
+            nursery.start_soon(run, call_id, pending, scope)
+            return scope.cancel
 
-        calls.start, calls.stop_all = start, nursery.cancel_scope.cancel
+        def spawn(coro: Coroutine[Any, Any, None]) -> None:
+            async def run_it() -> None:
+                await coro
+
+            nursery.start_soon(run_it)
+
+        calls.run_call, calls.spawn = run_call, spawn
+        calls.stop_all = nursery.cancel_scope.cancel
         nursery.start_soon(calls.dispatch)
     if calls.error is not None:
         raise calls.error

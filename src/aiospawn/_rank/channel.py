@@ -167,6 +167,10 @@ class Frames:
             raise _end(self)
         return None
 
+    def end(self) -> Exception:
+        """What reading past the end of the supervisor's stream raises."""
+        return _end(self)
+
     def wait(self, write: bool, deadline: float | None = None) -> None:
         """Block until the socket can be written (or read); at most until ``deadline``."""
         poller = select.poll()
@@ -339,9 +343,10 @@ class Channel:
         frames = self._frames
         with self._receiving:
             while True:
-                # What came meanwhile, so that a call cancelled while the
-                # previous one ran is dropped, not run.
-                if not frames.closed:
+                # What came meanwhile, so that a call kept here and cancelled
+                # while the previous one ran is dropped, not run. (With none
+                # kept, the wait for the next call reads first anyway.)
+                if frames.calls and not frames.closed:
                     frames.read_some()
                 frames.cancels.clear()  # of calls that have run: nothing to stop
                 try:

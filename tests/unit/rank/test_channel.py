@@ -275,13 +275,14 @@ async def test_a_limit_holds_calls_back_and_a_cancel_drops_a_waiting_one_unrun(
             call(sock, 1, "hang", "one")
             call(sock, 2, "record", "two")
             call(sock, 3, "record", "three")
+            call(sock, 4, "record", "four")
             await anyio.wait_all_tasks_blocked()
             assert handler.log == ["one started"]  # the others wait their turn
             cancel(sock, 2)
             cancel(sock, 1)
             send(sock, Link.CLOSE, b"")
-    assert handler.log == ["one started", "one cleaned up", "three"]
-    assert answers(sock, 1) == {3: "three"}
+    assert handler.log == ["one started", "one cleaned up", "three", "four"]
+    assert answers(sock, 2) == {3: "three", 4: "four"}
 
 
 @pytest.mark.both_loops
