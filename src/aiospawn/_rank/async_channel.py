@@ -104,7 +104,7 @@ class AsyncChannel:
         check_limit(limit)
         self._claim("_receiver", "serve")
         try:
-            calls = Calls(self, handler, limit)
+            calls = Calls(self._frames, self._next_request, self._flush, handler, limit)
             await (serve_trio(calls) if self._loop == "trio" else serve_asyncio(calls))
         finally:
             self._receiver = None

@@ -46,10 +46,13 @@ from .wire import CALL_ID, Link, from_fn
 # For the checker only: a rank never imports typing (the package's import rule).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Callable, Coroutine
+    from collections.abc import Awaitable, Callable, Coroutine
     from typing import Any
 
-    from .async_channel import AsyncChannel
+    from .channel import Frames
+
+    #: ``(CANCEL, call id)`` or ``(CALL, frame)``, given whether calls are running.
+    NextRequest = Callable[[bool], Awaitable[tuple[int, int | bytes | bytearray]]]
 
 
 class Calls:
@@ -60,8 +63,26 @@ class Calls:
     :func:`serve_trio` set.
     """
 
-    def __init__(self, channel: AsyncChannel, handler: Any, limit: int | None) -> None:
-        self.channel = channel
+    def __init__(
+        self,
+        frames: Frames,
+        next_request: NextRequest,
+        flush: Callable[[], Awaitable[None]],
+        handler: Any,
+        limit: int | None,
+    ) -> None:
+        """Hold no call yet.
+
+        Args:
+            frames: The rank's end of its channel.
+            next_request: The channel's wait for the next CANCEL or CALL.
+            flush: The channel's wait until everything queued is written.
+            handler: What ``serve()`` was given.
+            limit: The most calls that run at once, or None.
+        """
+        self.frames = frames
+        self._next_request = next_request
+        self._flush = flush
         self.handler = handler
         self.limit = limit
         #: Call id -> what cancels its task, while its handler runs.
@@ -137,7 +158,7 @@ class Calls:
         """Take CALL and CANCEL frames until the supervisor closes the channel."""
         try:
             while True:
-                kind, item = await self.channel._next_request(busy=bool(self.running))
+                kind, item = await self._next_request(bool(self.running))
                 if kind == Link.CANCEL:
                     assert isinstance(item, int)
                     self.cancel(item)
@@ -159,7 +180,7 @@ class Calls:
 
     def answer_now(self, call_id: int, ok: bool, value: Any) -> None:
         """Queue the answer and write what the socket takes; a task writes the rest."""
-        frames = self.channel._frames
+        frames = self.frames
         try:
             frames.queue(Link.REPLY, reply(call_id, ok, value))
             if frames.write_some():
@@ -172,7 +193,7 @@ class Calls:
     async def flush(self) -> None:
         """Write what is queued; the frames go out whole even if this is cancelled."""
         try:
-            await self.channel._flush()
+            await self._flush()
         except Exception as exc:  # the channel broke, or was closed, under the call
             self.fail(exc)
 
@@ -220,7 +241,7 @@ async def serve_asyncio(calls: Calls) -> None:
         finally:
             calls.ended(call_id)
             _close(pending)  # never started, if cancelled at once
-        frames = calls.channel._frames
+        frames = calls.frames
         try:
             frames.queue(Link.REPLY, reply(call_id, ok, value))
         except Exception as exc:  # the rank closed its channel under the call
@@ -280,7 +301,7 @@ async def serve_trio(calls: Calls) -> None:
             _close(pending)  # never started, if cancelled at once
         if scope.cancelled_caught:
             return  # a CANCEL: nobody waits for an answer
-        frames = calls.channel._frames
+        frames = calls.frames
         try:
             frames.queue(Link.REPLY, reply(call_id, ok, value))
         except Exception as exc:  # the rank closed its channel under the call
