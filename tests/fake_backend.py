@@ -38,7 +38,7 @@ from aiospawn._core._outcome import RankExit
 from aiospawn._core._policy import RestartPolicy, Supervision
 from aiospawn._core._spec import DEFAULT_PREFIX, LaunchSpec, make_output_spec, make_spec
 from aiospawn._rank import channel as rank_channel
-from aiospawn._rank.wire import FROM_RANK, HEADER, FrameReader, Kind, encode_exception
+from aiospawn._rank.wire import CALL_ID, FROM_RANK, HEADER, FrameReader, Kind, encode_exception
 from aiospawn._rank.wire import Link as Frame
 
 
@@ -76,6 +76,8 @@ class MemoryLink:
         self._out: collections.deque[tuple[int, bytes]] = collections.deque()
         self._rank_closed = False
         self._released = False
+        #: The ids of the CANCEL frames :meth:`calls` read.
+        self.cancelled: list[int] = []
 
     # The seam (Link), as the group's channel code calls it.
 
@@ -160,9 +162,15 @@ class MemoryLink:
         self.send(Frame.READY, pickle.dumps(payload))
 
     def calls(self) -> list[tuple[int, str, tuple[Any, ...], dict[str, Any]]]:
-        """The calls sent that the rank has not read: ``(id, method, args, kwargs)``."""
+        """The calls sent that the rank has not read: ``(id, method, args, kwargs)``.
+
+        The CANCEL frames among them go to :attr:`cancelled`, in order.
+        """
         found = []
         for kind, payload in self.read():
+            if kind == Frame.CANCEL:
+                self.cancelled += CALL_ID.unpack(payload)
+                continue
             assert kind == Frame.CALL, f"a frame of kind {kind} where calls were expected"
             call_id, request = rank_channel._split(payload)
             found.append((call_id, *rank_channel._request(request)))

@@ -305,6 +305,67 @@ async def serve_async(rank: int) -> str:
     return "served"
 
 
+class Overlapping:
+    """``async def`` methods that show whether calls overlap, and whether they are cancelled."""
+
+    def __init__(self, rank: int, report: Connection) -> None:
+        self.rank = rank
+        self._report = report
+        self._arrived = 0
+        self._everyone = anyio.Event()
+
+    async def meet(self, meeting: int) -> int:
+        """Return once ``meeting`` calls are here: calls that do not overlap never get past."""
+        self._arrived += 1
+        if self._arrived == meeting:
+            self._everyone.set()
+        await self._everyone.wait()
+        return self.rank
+
+    async def hang(self, name: str) -> None:
+        """Report, then wait until cancelled; report the cleanup."""
+        try:
+            self._report.send(("started", name, self.rank))
+            await anyio.sleep_forever()
+        finally:
+            self._report.send(("cleaned up", name, self.rank))
+
+    async def whoami(self) -> int:
+        await anyio.lowlevel.checkpoint()
+        return self.rank
+
+
+async def serve_overlapping_async(rank: int, report: Connection, limit: int | None) -> str:
+    aiospawn.ready()
+    await aiospawn.serve(Overlapping(rank, report), limit=limit)
+    return "served"
+
+
+class Holding:
+    """Sync methods: one that holds the rank until the test releases it, one that records."""
+
+    def __init__(self, report: Connection, release: Connection) -> None:
+        self._report = report
+        self._release = release
+        self.recorded: list[str] = []
+
+    def hold(self, name: str) -> str:
+        self._report.send(("started", name))
+        self._release.recv()
+        self._report.send(("ran to its end", name))
+        return name
+
+    def record(self, name: str) -> list[str]:
+        self.recorded.append(name)
+        return self.recorded
+
+
+def serve_holding(rank: int, report: Connection, release: Connection) -> str:
+    aiospawn.ready()
+    aiospawn.serve(Holding(report, release))
+    return "served"
+
+
 def send_then_raise(rank: int, count: int) -> None:
     channel = aiospawn.channel()
     for seq in range(count):

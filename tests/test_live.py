@@ -846,3 +846,95 @@ async def test_a_call_times_out_naming_the_silent_rank_and_its_late_reply_is_dro
             assert await ctx.call("add", 10, b=20) == [(0, 30), (1, 30)]
             assert await ctx.call("whoami", ranks=[1]) == [1]
     assert ctx.results == ["served", "served"]
+
+
+# ------------------------------------------- calls that overlap and are cancelled
+
+
+@pytest.mark.parametrize("rank_loop", ["asyncio", "trio"])
+@pytest.mark.both_loops
+async def test_an_async_rank_runs_calls_at_once(anyio_backend: str, rank_loop: str) -> None:
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    with reader, writer:
+        async with group(
+            live_ranks.serve_overlapping_async,
+            writer,
+            None,
+            rank_loop=rank_loop,
+            what="three calls that return only once all three run (one at a time never do)",
+        ) as ctx:
+            await ctx.wait_ready()
+            answers: list[list[int]] = []
+
+            async def meet() -> None:
+                answers.append(await ctx.call("meet", 3))
+
+            async with anyio.create_task_group() as tg:
+                for _ in range(3):
+                    tg.start_soon(meet)
+    assert answers == [[0, 1]] * 3
+    assert ctx.results == ["served", "served"]
+
+
+@pytest.mark.parametrize("how", ["cancel", "timeout"])
+@pytest.mark.parametrize("limit", [None, 1])
+@pytest.mark.parametrize("rank_loop", ["asyncio", "trio"])
+async def test_a_call_given_up_cancels_its_handler_and_frees_the_rank(
+    anyio_backend: str, rank_loop: str, limit: int | None, how: str
+) -> None:
+    # With limit=1 the rank runs one call at a time: the next call is
+    # answered only once the abandoned one's task has ended.
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    with reader, writer:
+        async with group(
+            live_ranks.serve_overlapping_async,
+            writer,
+            limit,
+            nprocs=1,
+            rank_loop=rank_loop,
+            what="a rank whose abandoned call was not cancelled",
+        ) as ctx:
+            await ctx.wait_ready()
+            if how == "timeout":
+                with pytest.raises(TimeoutError, match=r"rank\(s\) 0 did not answer"):
+                    await ctx.call("hang", "first", timeout=0.5)
+                assert await receive(reader, "start report") == ("started", "first", 0)
+            else:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(ctx.call, "hang", "first")
+                    assert await receive(reader, "start report") == ("started", "first", 0)
+                    tg.cancel_scope.cancel()
+            assert await receive(reader, "cleanup report") == ("cleaned up", "first", 0)
+            assert await ctx.call("whoami") == [0]
+        assert not reader.poll(0)
+    assert ctx.results == ["served"]
+
+
+@pytest.mark.both_loops
+async def test_a_sync_rank_runs_a_handler_given_up_to_its_end_and_drops_calls_not_started(
+    anyio_backend: str,
+) -> None:
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    release_reader, release_writer = multiprocessing.Pipe(duplex=False)
+    with reader, writer, release_reader, release_writer:
+        async with group(
+            live_ranks.serve_holding,
+            writer,
+            release_reader,
+            nprocs=1,
+            what="a sync rank holding a call",
+        ) as ctx:
+            await ctx.wait_ready()
+            with pytest.raises(TimeoutError):
+                await ctx.call("hold", "first", timeout=0.5)
+            assert await receive(reader, "start report") == ("started", "first")
+            # A second call, given up while the first still holds the rank.
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(ctx.call, "record", "second")
+                await anyio.wait_all_tasks_blocked()  # its CALL is written
+                tg.cancel_scope.cancel()
+            release_writer.send("go")
+            assert await receive(reader, "end report") == ("ran to its end", "first")
+            # The first call's answer was dropped; the second never ran.
+            assert await ctx.call("record", "third") == [["third"]]
+    assert ctx.results == ["served"]

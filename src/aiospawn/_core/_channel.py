@@ -348,12 +348,23 @@ class Conversation:
             ProcessException: The rank failed before it answered.
             anyio.BrokenResourceError: The rank ended, or closed its channel,
                 without answering.
+
+        Cancellation:
+            If the CALL frame was queued, a CANCEL frame follows it (queued
+            without waiting), so that the rank cancels the handler; an answer
+            that comes later is dropped.
         """
         await checkpoint()
         self._check_sendable()
         self._replies[call_id] = None
+        queued = False
+
+        def on_queued() -> None:
+            nonlocal queued
+            queued = True
+
         try:
-            await self._send_frame(Kind.CALL, CALL_ID.pack(call_id) + request)
+            await self._send_frame(Kind.CALL, CALL_ID.pack(call_id) + request, on_queued)
             await self._wait_for(lambda: self._replies[call_id] is not None)
             reply = self._replies[call_id]
             if reply is not None:
@@ -363,7 +374,19 @@ class Conversation:
             await self._raise_end(f"rank {self.rank} ended before it answered")
             raise AssertionError("unreachable")
         finally:
-            del self._replies[call_id]  # a late answer finds no call, and is dropped
+            # A late answer finds no call, and is dropped.
+            if self._replies.pop(call_id) is None and queued:
+                self._cancel_call(call_id)
+
+    def _cancel_call(self, call_id: int) -> None:
+        """Tell the rank nobody waits for ``call_id`` any more: it cancels the handler.
+
+        Queued without waiting (the caller is being cancelled) and past the
+        back-pressure bound: it is a few bytes, once per call. Nothing is sent
+        once the rank cannot read it (ended, or after our CLOSE).
+        """
+        if not (self._closed or self._eof_sent or self._stopped_writing()):
+            self._queue(Kind.CANCEL, CALL_ID.pack(call_id))
 
     async def wait_ready(self) -> None:
         """Wait until the rank is ready, or its stream has ended."""
@@ -375,19 +398,28 @@ class Conversation:
         if self._closed or self._eof_sent:
             raise anyio.ClosedResourceError
 
-    async def _send_frame(self, kind: int, payload: bytes) -> None:
+    async def _send_frame(
+        self, kind: int, payload: bytes, on_queued: Callable[[], None] | None = None
+    ) -> None:
         async with self._send_lock:
             # Back-pressure: queued whole once little enough waits before it.
             while self._link.queued >= QUEUED_BYTES and not self._stopped_writing():
                 await self._written.wait()
             self._check_sendable()
-            await self._deliver(kind, payload)
+            await self._deliver(kind, payload, on_queued)
 
-    async def _deliver(self, kind: int, payload: bytes) -> None:
-        """Queue a frame and wait until it is written; cancelled, the writer still writes it."""
+    async def _deliver(
+        self, kind: int, payload: bytes, on_queued: Callable[[], None] | None = None
+    ) -> None:
+        """Queue a frame and wait until it is written; cancelled, the writer still writes it.
+
+        ``on_queued`` is called once the frame is queued: from then on it goes out.
+        """
         if self._stopped_writing():
             await self._raise_end(f"rank {self.rank} has ended")
         end = self._queue(kind, payload)
+        if on_queued is not None:
+            on_queued()
         while self._written_bytes < end:
             if self._stopped_writing():
                 await self._raise_end(f"rank {self.rank} has ended")

@@ -194,7 +194,9 @@ class AsyncProcessContext(Generic[T]):
 
         Each rank answers with the handler it passed to ``aiospawn.serve()``.
         Arguments and results are pickled; the request is pickled once. Each
-        rank is called once: ``ranks`` must not name a rank twice.
+        rank is called once: ``ranks`` must not name a rank twice. Calls made
+        at once overlap in an async rank (each runs in a task of its own);
+        a sync rank answers them one at a time.
 
         Returns:
             The results, in the order of ``ranks`` (rank order by default).
@@ -225,7 +227,13 @@ class AsyncProcessContext(Generic[T]):
 
         Cancellation:
             Safe: answers that arrive later are dropped, never delivered to a
-            later call.
+            later call. Each rank that has not answered is told that the call
+            is given up (so it is when ``timeout`` passes, or when the call
+            fails because a rank died); ``call()`` does not wait for the ranks
+            to act on it. An async rank cancels the call's task, whose
+            ``finally`` blocks run. A sync rank drops the call if it has not
+            started it; a handler already running runs to its end, and the
+            rank's next call waits behind it.
         """
         if not isinstance(method, str):
             raise TypeError(f"method must be the name of a handler method, got {method!r}")

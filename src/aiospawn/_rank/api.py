@@ -138,19 +138,43 @@ def channel() -> Any:
     return _channel
 
 
-def serve(handler: Any) -> Any:
+def serve(handler: Any, *, limit: int | None = None) -> Any:
     """Answer the supervisor's ``ctx.call(method, ...)`` with ``handler.method(...)``.
 
-    Serves one call at a time, in order, until the supervisor closes the
-    channel (an ``async with open_group(...)`` block closes it when it ends);
-    then returns. Public methods only (a name starting with ``_`` is refused).
-    A method that raises sends its exception back to the caller; the rank
-    goes on serving. In a sync rank ``serve(handler)`` blocks; in an async
-    rank ``await aiospawn.serve(handler)``, whose handler's methods may be
-    sync or ``async def``. Messages sent with ``ctx.channel(rank).send()``
-    meanwhile wait for the rank's ``receive()``.
+    Serves until the supervisor closes the channel (an ``async with
+    open_group(...)`` block closes it when it ends); then returns, once the
+    calls under way have answered. Public methods only (a name starting with
+    ``_`` is refused). A method that raises an ``Exception`` sends it back to
+    the caller, and the rank goes on serving; one that raises anything else
+    (``SystemExit``, ``KeyboardInterrupt``) ends ``serve()`` with it.
+    Messages sent with ``ctx.channel(rank).send()`` meanwhile wait for the
+    rank's ``receive()``.
+
+    In a sync rank ``serve(handler)`` blocks and answers one call at a time,
+    in order. A call the supervisor gives up on (cancelled, or past its
+    ``timeout=``) before the rank starts it is dropped unrun; a handler that
+    runs cannot be interrupted: it runs to its end, its answer is dropped,
+    and the next call waits behind it.
+
+    In an async rank, ``await aiospawn.serve(handler)``: the methods may be
+    sync or ``async def``, and each call runs in a task of its own, so calls
+    overlap. When the supervisor gives up on a call, its task is cancelled
+    (its ``finally`` blocks run) and it answers nothing. A sync method runs on
+    the rank's loop and holds it until it returns. If the task that awaits
+    ``serve()`` is cancelled (SIGTERM does), every call under way is
+    cancelled first.
+
+    Args:
+        handler: The object whose public methods answer calls.
+        limit: In an async rank, the most calls that run at once; later ones
+            wait in the order they came (``limit=1``: one at a time, as in a
+            sync rank, for handlers that must not overlap, such as ones that
+            run collectives in the same order on every rank). None: no limit.
+            A sync rank serves one call at a time whatever it says.
 
     Raises:
         RuntimeError: Not called in a rank of an aiospawn group.
+        TypeError: ``limit`` is not an int.
+        ValueError: ``limit`` is below 1.
     """
-    return channel().serve(handler)
+    return channel().serve(handler, limit=limit)

@@ -18,8 +18,9 @@ one the rank runs (``async_main``), imported by it.
 
 from __future__ import annotations
 
-from .channel import answer, decode, encode, reply
-from .wire import Link, from_fn
+from .async_serve import Calls, serve_asyncio, serve_trio
+from .channel import check_limit, decode, encode
+from .wire import Link
 
 # For the checker only: a rank never imports typing (the package's import rule).
 TYPE_CHECKING = False
@@ -93,23 +94,18 @@ class AsyncChannel:
                 return
             yield message
 
-    async def serve(self, handler: Any) -> None:
-        """Answer the supervisor's calls with ``handler``'s methods (sync or async) until closed."""
+    async def serve(self, handler: Any, *, limit: int | None = None) -> None:
+        """Answer the supervisor's calls with ``handler``'s methods (sync or async) until closed.
+
+        Each call runs in a task of its own, at most ``limit`` at once (None:
+        no limit); a call the supervisor cancels is cancelled here. See
+        ``async_serve`` and ``aiospawn.serve``.
+        """
+        check_limit(limit)
         self._claim("_receiver", "serve")
         try:
-            while True:
-                try:
-                    call = await self._next(self._frames.calls)
-                except EOFError:
-                    return
-                call_id, ok, value = answer(handler, call)
-                if ok and hasattr(value, "__await__"):  # an async def method
-                    try:
-                        value = await value
-                    except Exception as exc:
-                        ok, value = False, from_fn(exc)
-                self._frames.queue(Link.REPLY, reply(call_id, ok, value))
-                await self._flush()
+            calls = Calls(self._frames, self._next_request, self._flush, handler, limit)
+            await (serve_trio(calls) if self._loop == "trio" else serve_asyncio(calls))
         finally:
             self._receiver = None
 
@@ -155,6 +151,32 @@ class AsyncChannel:
             frame = frames.take(kept)
             if frame is not None:
                 return frame
+            await self._wait(write=False)
+
+    async def _next_request(self, busy: bool) -> tuple[int, int | bytes | bytearray]:
+        """``(CANCEL, call id)`` or ``(CALL, frame)``: what ``serve()`` takes next.
+
+        Cancellations first, those read with a call too: each names a call
+        taken before. ``busy``: calls are running, and their answers will
+        write what a cancelled send left.
+
+        Raises:
+            EOFError: The supervisor closed its end, and nothing is left to take.
+            ConnectionError: A frame broke the channel's format, and nothing is left.
+        """
+        frames = self._frames
+        while True:
+            frames._check_open()
+            if frames.unsent and self._sender is None and not busy:
+                await self._flush()  # what a cancelled send left, first
+            if not (frames.cancels or frames.calls):
+                frames.read_some()
+            if frames.cancels:
+                return Link.CANCEL, frames.cancels.popleft()
+            if frames.calls:
+                return Link.CALL, frames.calls.popleft()
+            if frames.peer_closed:
+                raise frames.end()
             await self._wait(write=False)
 
     async def _wait(self, write: bool) -> None:

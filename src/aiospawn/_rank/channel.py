@@ -12,7 +12,10 @@ a kind byte, a length, a pickle. The kinds are :class:`~.wire.Link`'s.
   through one :class:`Frames`, and differ only in how they wait.
 - :func:`~aiospawn._rank.api.ready` sends one READY frame.
 - ``serve(handler)`` answers CALL frames with REPLY frames until the
-  supervisor closes its end.
+  supervisor closes its end. A CANCEL frame names a call the supervisor no
+  longer waits for: a call not yet started is dropped here, as the frame is
+  read; one that runs is cancelled by an async rank's ``serve()``
+  (``async_serve``), and runs to its end in a sync rank's.
 
 The two directions are independent streams. While a rank waits for one kind
 of frame, frames of the other kinds that arrive are kept, in order: a message
@@ -76,6 +79,8 @@ class Frames:
         self._reader = FrameReader(TO_RANK)
         self.messages: collections.deque[bytes | bytearray] = collections.deque()
         self.calls: collections.deque[bytes | bytearray] = collections.deque()
+        #: The ids of calls the supervisor cancelled after ``serve()`` took them.
+        self.cancels: collections.deque[int] = collections.deque()
         #: Held by a thread of a sync rank while it queues and writes a frame.
         self.sending = _thread.allocate_lock()
         #: True once the supervisor closed its end (a CLOSE frame, or end of file).
@@ -130,8 +135,18 @@ class Frames:
                 self.messages.append(payload)
             elif kind == Link.CALL:
                 self.calls.append(payload)
+            elif kind == Link.CANCEL:
+                self._cancel(CALL_ID.unpack_from(payload)[0])
             elif kind == Link.CLOSE:
                 self.peer_closed = True
+
+    def _cancel(self, call_id: int) -> None:
+        """The supervisor gave up on a call: drop it if it waits here, else tell ``serve()``."""
+        for index, call in enumerate(self.calls):
+            if CALL_ID.unpack_from(call)[0] == call_id:
+                del self.calls[index]  # never started: nobody will run it
+                return
+        self.cancels.append(call_id)
 
     def take(self, kept: collections.deque[bytes | bytearray]) -> bytes | bytearray | None:
         """The next frame of ``kept`` (``messages`` or ``calls``), or None: wait, then ask again.
@@ -151,6 +166,10 @@ class Frames:
         if self.peer_closed:
             raise _end(self)
         return None
+
+    def end(self) -> Exception:
+        """What reading past the end of the supervisor's stream raises."""
+        return _end(self)
 
     def wait(self, write: bool, deadline: float | None = None) -> None:
         """Block until the socket can be written (or read); at most until ``deadline``."""
@@ -314,15 +333,24 @@ class Channel:
             except EOFError:
                 return
 
-    def serve(self, handler: Any) -> None:
+    def serve(self, handler: Any, *, limit: int | None = None) -> None:
         """Answer the supervisor's ``ctx.call()`` with ``handler``'s methods until it closes.
 
-        See ``aiospawn.serve``.
+        One call at a time, whatever ``limit``: a handler cannot be interrupted
+        here, so a CANCEL only drops a call not yet started. See ``aiospawn.serve``.
         """
+        check_limit(limit)
+        frames = self._frames
         with self._receiving:
             while True:
+                # What came meanwhile, so that a call kept here and cancelled
+                # while the previous one ran is dropped, not run. (With none
+                # kept, the wait for the next call reads first anyway.)
+                if frames.calls and not frames.closed:
+                    frames.read_some()
+                frames.cancels.clear()  # of calls that have run: nothing to stop
                 try:
-                    call = self._next(self._frames.calls)
+                    call = self._next(frames.calls)
                 except EOFError:
                     return
                 call_id, ok, value = answer(handler, call)
@@ -346,6 +374,21 @@ class Channel:
             if frame is not None:
                 return frame
             frames.wait(False)
+
+
+def check_limit(limit: int | None) -> None:
+    """Refuse a ``serve(limit=...)`` that is neither None nor a positive int.
+
+    Raises:
+        TypeError: It is not an int.
+        ValueError: It is below 1.
+    """
+    if limit is None:
+        return
+    if isinstance(limit, bool) or not isinstance(limit, int):
+        raise TypeError(f"limit must be a positive int or None, got {limit!r}")
+    if limit < 1:
+        raise ValueError(f"limit must be a positive int or None, got {limit!r}")
 
 
 def _end(frames: Frames) -> Exception:

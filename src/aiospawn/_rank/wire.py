@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 
 HEADER = struct.Struct("!BQ")
-#: What CALL and REPLY payloads start with: the call's id, which pairs them.
+#: What CALL, REPLY and CANCEL payloads start with: the call's id, which pairs them.
 CALL_ID = struct.Struct("!Q")
 
 #: The payload of an ENDED frame: ``time.time()`` on the rank's clock when ``fn``
@@ -90,6 +90,10 @@ class Link:
     REPLY: Final = 4
     #: Empty: the sender closed its end; nothing more comes from it.
     CLOSE: Final = 5
+    #: :data:`CALL_ID` alone: the supervisor no longer waits for that call (it
+    #: was cancelled or timed out); the rank cancels its handler, or drops the
+    #: call if it has not started it.
+    CANCEL: Final = 6
 
 
 #: The largest payload of a channel frame, either way: 1 GiB. A sender refuses
@@ -107,11 +111,13 @@ FROM_RANK: dict[int, tuple[int, int | None]] = {
     Link.REPLY: (CALL_ID.size, None),
     Link.CLOSE: (0, 0),
 }
-#: The same, for the frames the supervisor may send to a rank.
+#: The same, for the frames the supervisor may send to a rank: a CANCEL is its
+#: :data:`CALL_ID` and nothing more.
 TO_RANK: dict[int, tuple[int, int | None]] = {
     Link.MESSAGE: (0, None),
     Link.CALL: (CALL_ID.size, None),
     Link.CLOSE: (0, 0),
+    Link.CANCEL: (CALL_ID.size, CALL_ID.size),
 }
 
 _LINK_NAMES = {
@@ -120,6 +126,7 @@ _LINK_NAMES = {
     Link.CALL: "CALL",
     Link.REPLY: "REPLY",
     Link.CLOSE: "CLOSE",
+    Link.CANCEL: "CANCEL",
 }
 
 
@@ -307,6 +314,10 @@ class FrameReader:
         name = _LINK_NAMES[kind]
         if high == 0 and size != 0:
             raise FrameError(f"a {name} frame of {size} bytes (a {name} frame is empty)")
+        if high == low and size != low:
+            raise FrameError(
+                f"a {name} frame of {size} bytes (a {name} frame is its {low}-byte call id)"
+            )
         if size < low:
             raise FrameError(f"a {name} frame of {size} bytes, shorter than its {low}-byte call id")
         if size > (MAX_FRAME_BYTES if high is None else high):

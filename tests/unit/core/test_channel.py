@@ -19,7 +19,7 @@ import anyio
 import pytest
 
 import aiospawn
-from aiospawn._core._channel import INBOX_MESSAGES
+from aiospawn._core._channel import INBOX_MESSAGES, QUEUED_BYTES
 from aiospawn._rank.wire import Link as Frame
 from tests.fake_backend import FakeBackend, MemoryLink, start_group
 from tests.helpers import tripwire
@@ -201,19 +201,75 @@ async def test_a_timed_out_call_names_the_silent_rank_and_its_late_answer_is_dro
 
             tg.start_soon(answer_both)
             assert await ctx.call("next") == ["second 0", "second 1"]
+        # The silent rank was told to stop the handler; rank 0 had answered.
+        assert (link(backend, 0).cancelled, link(backend, 1).cancelled) == ([], [late_id])
 
 
-async def test_a_rank_that_dies_during_a_call_raises_its_failure() -> None:
-    async with fake_group(2) as (ctx, backend), anyio.create_task_group() as tg:
+async def test_a_cancelled_call_tells_each_rank_that_has_not_answered_to_cancel_it() -> None:
+    async with fake_group(3) as (ctx, backend):
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as tg:
 
-        async def die() -> None:
+                async def answer_rank_1_then_cancel() -> None:
+                    await anyio.wait_all_tasks_blocked()
+                    [(call_id, *_)] = link(backend, 1).calls()
+                    link(backend, 1).reply(call_id, "answered")
+                    await anyio.wait_all_tasks_blocked()
+                    scope.cancel()
+
+                tg.start_soon(answer_rank_1_then_cancel)
+                await ctx.call("long")
+        await anyio.wait_all_tasks_blocked()
+        cancelled = {}
+        for rank in (0, 2):
+            [(call_id, *_)] = link(backend, rank).calls()  # the CALL, then its CANCEL
+            cancelled[rank] = (call_id, link(backend, rank).cancelled)
+        assert cancelled == {0: (call_id, [call_id]), 2: (call_id, [call_id])}
+        assert link(backend, 1).calls() == []
+        assert link(backend, 1).cancelled == []  # it answered: nothing to stop
+
+
+async def test_a_call_cancelled_before_it_was_queued_sends_neither_call_nor_cancel() -> None:
+    async with fake_group(1) as (ctx, backend):
+        rank = link(backend, 0)
+        rank.window = 1024
+        channel = ctx.channel(0)
+        await channel.send(b"x" * 2000)  # fills the rank's window: it does not read
+
+        async def queue_a_message() -> None:  # queued whole, it waits to be written
+            await channel.send(b"y" * QUEUED_BYTES)
+
+        async def call() -> None:  # waits for room to queue its CALL
+            await ctx.call("never")
+
+        for step in (queue_a_message, call):
+            with anyio.CancelScope() as scope:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(step)
+                    await anyio.wait_all_tasks_blocked()
+                    scope.cancel()
+        kinds = []
+        while frames := rank.read():
+            kinds += [kind for kind, _ in frames]
             await anyio.wait_all_tasks_blocked()
-            link(backend, 1).end()
-            backend.attempt(1).exits(-9)
+        assert kinds == [Frame.MESSAGE, Frame.MESSAGE]
 
-        tg.start_soon(die)
-        with pytest.raises(aiospawn.ProcessExitedException, match="SIGKILL"):
-            await ctx.call("anything")
+
+async def test_a_rank_that_dies_during_a_call_raises_its_failure_and_the_others_cancel() -> None:
+    async with fake_group(2) as (ctx, backend):
+        async with anyio.create_task_group() as tg:
+
+            async def die() -> None:
+                await anyio.wait_all_tasks_blocked()
+                link(backend, 1).end()
+                backend.attempt(1).exits(-9)
+
+            tg.start_soon(die)
+            with pytest.raises(aiospawn.ProcessExitedException, match="SIGKILL"):
+                await ctx.call("anything")
+        await anyio.wait_all_tasks_blocked()
+        [(call_id, *_)] = link(backend, 0).calls()
+        assert link(backend, 0).cancelled == [call_id]  # the call has failed: rank 0 stops
 
 
 async def test_a_rank_named_twice_is_refused_before_any_call_is_sent() -> None:

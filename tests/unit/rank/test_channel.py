@@ -171,3 +171,185 @@ def test_a_rank_reads_nothing_past_a_bad_frame_from_the_supervisor(
     for _ in range(2):
         with pytest.raises(ConnectionError, match="supervisor sent a frame of unknown kind 4"):
             channel.receive()
+
+
+# ----------------------------------------------------- calls in an async rank
+
+
+class Overlapping:
+    """Methods that show whether calls overlap, and whether they were cancelled."""
+
+    def __init__(self, meeting: int) -> None:
+        self.meeting = meeting
+        self.arrived = 0
+        self.everyone = anyio.Event()
+        self.log: list[str] = []
+
+    async def meet(self, name: str) -> str:
+        """Return once ``meeting`` calls are here: only calls that overlap get past."""
+        self.arrived += 1
+        if self.arrived == self.meeting:
+            self.everyone.set()
+        await self.everyone.wait()
+        return name
+
+    async def hang(self, name: str) -> None:
+        try:
+            self.log.append(f"{name} started")
+            await anyio.sleep_forever()
+        finally:
+            self.log.append(f"{name} cleaned up")
+
+    def record(self, name: str) -> str:
+        self.log.append(name)
+        return name
+
+    async def exit(self) -> None:
+        await anyio.lowlevel.checkpoint()
+        raise SystemExit(3)
+
+
+def cancel(sock: socket.socket, call_id: int) -> None:
+    send(sock, Link.CANCEL, CALL_ID.pack(call_id))
+
+
+def answers(sock: socket.socket, count: int) -> dict[int, object]:
+    """``call_id: value`` of ``count`` REPLY frames, each a value (not an error)."""
+    replies = read_replies(sock, count)
+    assert all(ok for ok, _ in replies.values()), replies
+    return {call_id: value for call_id, (_, value) in replies.items()}
+
+
+@pytest.mark.both_loops
+@pytest.mark.anyio
+async def test_an_async_rank_runs_each_call_in_a_task_of_its_own(
+    anyio_backend: str, pair: tuple[socket.socket, rank_channel.Frames]
+) -> None:
+    sock, frames = pair
+    for call_id in (1, 2, 3):
+        call(sock, call_id, "meet", f"caller {call_id}")
+    send(sock, Link.CLOSE, b"")
+    with anyio.fail_after(10):  # one call at a time would wait forever for the others
+        await AsyncChannel(frames, anyio_backend).serve(Overlapping(meeting=3))
+    assert answers(sock, 3) == {1: "caller 1", 2: "caller 2", 3: "caller 3"}
+
+
+@pytest.mark.both_loops
+@pytest.mark.anyio
+async def test_a_cancel_ends_the_handler_of_its_call_and_the_others_answer(
+    anyio_backend: str, pair: tuple[socket.socket, rank_channel.Frames]
+) -> None:
+    sock, frames = pair
+    handler = Overlapping(meeting=1)
+    channel = AsyncChannel(frames, anyio_backend)
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(channel.serve, handler)
+            call(sock, 1, "hang", "one")
+            call(sock, 2, "record", "two")
+            await anyio.wait_all_tasks_blocked()
+            assert sorted(handler.log) == ["one started", "two"]
+            cancel(sock, 1)
+            cancel(sock, 2)  # answered already: nothing to stop
+            cancel(sock, 99)  # never called
+            call(sock, 3, "record", "three")
+            send(sock, Link.CLOSE, b"")
+    assert sorted(handler.log[2:]) == ["one cleaned up", "three"]
+    assert answers(sock, 2) == {2: "two", 3: "three"}  # and nothing for the cancelled call
+    sock.setblocking(False)
+    with pytest.raises(BlockingIOError):
+        sock.recv(1)
+
+
+@pytest.mark.both_loops
+@pytest.mark.anyio
+async def test_a_limit_holds_calls_back_and_a_cancel_drops_a_waiting_one_unrun(
+    anyio_backend: str, pair: tuple[socket.socket, rank_channel.Frames]
+) -> None:
+    sock, frames = pair
+    handler = Overlapping(meeting=1)
+    channel = AsyncChannel(frames, anyio_backend)
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: channel.serve(handler, limit=1))
+            call(sock, 1, "hang", "one")
+            call(sock, 2, "record", "two")
+            call(sock, 3, "record", "three")
+            call(sock, 4, "record", "four")
+            await anyio.wait_all_tasks_blocked()
+            assert handler.log == ["one started"]  # the others wait their turn
+            cancel(sock, 2)
+            cancel(sock, 1)
+            send(sock, Link.CLOSE, b"")
+    assert handler.log == ["one started", "one cleaned up", "three", "four"]
+    assert answers(sock, 2) == {3: "three", 4: "four"}
+
+
+@pytest.mark.both_loops
+@pytest.mark.anyio
+async def test_a_handler_that_raises_system_exit_ends_serve_and_cancels_the_others(
+    anyio_backend: str, pair: tuple[socket.socket, rank_channel.Frames]
+) -> None:
+    sock, frames = pair
+    handler = Overlapping(meeting=1)
+    call(sock, 1, "hang", "one")
+    call(sock, 2, "exit")
+    with anyio.fail_after(10), pytest.raises(SystemExit) as info:
+        await AsyncChannel(frames, anyio_backend).serve(handler)
+    assert info.value.code == 3
+    assert handler.log == ["one started", "one cleaned up"]
+
+
+@pytest.mark.both_loops
+@pytest.mark.anyio
+async def test_cancelling_serve_cancels_every_call_under_way(
+    anyio_backend: str, pair: tuple[socket.socket, rank_channel.Frames]
+) -> None:
+    sock, frames = pair
+    handler = Overlapping(meeting=1)
+    call(sock, 1, "hang", "one")
+    call(sock, 2, "hang", "two")
+    with anyio.fail_after(10), anyio.move_on_after(0.2) as scope:  # the rank's SIGTERM
+        await AsyncChannel(frames, anyio_backend).serve(handler)
+    assert scope.cancelled_caught
+    assert sorted(handler.log) == ["one cleaned up", "one started", "two cleaned up", "two started"]
+
+
+def test_a_blocking_channel_drops_a_call_cancelled_before_it_starts(
+    pair: tuple[socket.socket, rank_channel.Frames],
+) -> None:
+    sock, frames = pair
+    log: list[str] = []
+
+    class Blocking:
+        def first(self) -> str:
+            # The supervisor gives up on this call and the next while it runs.
+            cancel(sock, 1)
+            cancel(sock, 2)
+            call(sock, 3, "record", "three")
+            send(sock, Link.CLOSE, b"")
+            log.append("first ran to its end")
+            return "first"
+
+        def record(self, name: str) -> str:
+            log.append(name)
+            return name
+
+    call(sock, 1, "first")
+    call(sock, 2, "record", "two")
+    call(sock, 4, "record", "four")
+    cancel(sock, 4)  # read with its call: dropped at once
+    rank_channel.Channel(frames).serve(Blocking(), limit=5)  # one at a time whatever the limit
+    assert log == ["first ran to its end", "three"]
+    assert answers(sock, 2) == {1: "first", 3: "three"}
+
+
+@pytest.mark.parametrize(
+    ("limit", "error"), [(0, ValueError), (-1, ValueError), (True, TypeError), (1.5, TypeError)]
+)
+def test_serve_refuses_a_limit_that_is_not_a_positive_int(
+    pair: tuple[socket.socket, rank_channel.Frames], limit: object, error: type[Exception]
+) -> None:
+    _, frames = pair
+    with pytest.raises(error, match="limit must be a positive int or None"):
+        rank_channel.Channel(frames).serve(Overlapping(1), limit=limit)  # type: ignore[arg-type]

@@ -133,6 +133,10 @@ def test_a_stream_that_ends_early_leaves_the_frame_incomplete(payload: bytes, ch
         (FROM_RANK, Link.REPLY, 0, "shorter than its 8-byte call id"),
         (TO_RANK, Link.CALL, 2, "shorter than its 8-byte call id"),
         (FROM_RANK, Link.CLOSE, 1, "a CLOSE frame is empty"),
+        (FROM_RANK, Link.CANCEL, CALL_ID.size, "unknown kind 6"),  # only the supervisor cancels
+        (TO_RANK, Link.CANCEL, CALL_ID.size + 1, "a CANCEL frame is its 8-byte call id"),
+        (TO_RANK, Link.CANCEL, CALL_ID.size - 1, "a CANCEL frame is its 8-byte call id"),
+        (TO_RANK, Link.CANCEL, 2**64 - 1, "a CANCEL frame is its 8-byte call id"),
     ],
 )
 def test_a_header_the_receiver_does_not_take_is_refused_before_its_payload(
@@ -161,6 +165,7 @@ def test_garbage_is_refused_at_its_first_header() -> None:
         (FROM_RANK, Link.CLOSE, 0),
         (TO_RANK, Link.CALL, CALL_ID.size + 1),
         (TO_RANK, Link.MESSAGE, 1),
+        (TO_RANK, Link.CANCEL, CALL_ID.size),
         (None, 255, 2**64 - 1),  # an outcome frame's reader takes any header
     ],
 )
