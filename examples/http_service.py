@@ -100,22 +100,6 @@ async def health(request: Request) -> JSONResponse:
     )
 
 
-async def stop(group: aiospawn.AsyncProcessContext[None]) -> None:
-    """Stop the shards within the grace period; a second Ctrl-C kills them at once."""
-    # uvicorn listens to Ctrl-C only until the application's shutdown begins.
-    with anyio.open_signal_receiver(signal.SIGINT) as ctrl_c:
-        print(f"stopping the shards (within {GRACE_PERIOD} s; Ctrl-C: now)", flush=True)
-        async with anyio.create_task_group() as tasks:
-
-            async def hurry() -> None:
-                async for _ in ctrl_c:
-                    await group.terminate(grace_period=0)
-
-            tasks.start_soon(hurry)
-            await group.terminate()
-            tasks.cancel_scope.cancel()
-
-
 @contextlib.asynccontextmanager
 async def lifespan(app: Starlette) -> AsyncIterator[dict[str, object]]:
     # Restart the whole group (shards of one model go together), at most 10 times a minute.
@@ -125,9 +109,21 @@ async def lifespan(app: Starlette) -> AsyncIterator[dict[str, object]]:
     ) as group:
         print(f"shards ready: pids {group.pids()}", flush=True)
         yield {"group": group}  # the server runs here
-        # Stopped rather than left to return: leaving the block would wait for
-        # every shard, and a stuck one would hold the server up for ever.
-        await stop(group)
+
+        # Stop the shards rather than leave the block, which would wait for
+        # every shard to return: one stuck in a handler would hold us for ever.
+        # uvicorn no longer listens to Ctrl-C once this shutdown has begun.
+        with anyio.open_signal_receiver(signal.SIGINT) as ctrl_c:
+
+            async def kill_on_ctrl_c() -> None:
+                async for _ in ctrl_c:
+                    await group.terminate(grace_period=0)  # hurries the one under way
+
+            print(f"stopping the shards (within {GRACE_PERIOD} s; Ctrl-C: now)", flush=True)
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(kill_on_ctrl_c)
+                await group.terminate()  # SIGTERM, then SIGKILL after the grace period
+                tasks.cancel_scope.cancel()
     print("shards stopped", flush=True)
 
 
