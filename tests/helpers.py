@@ -118,6 +118,11 @@ class ImportGate:
         await self.open()
 
 
+def first_frame(traceback_text: str) -> str:
+    """The outermost frame of the last traceback in a formatted one (past those it chains)."""
+    return traceback_text.rpartition("Traceback (most recent call last):\n")[2].splitlines()[0]
+
+
 def drain(reader: Connection) -> list[Any]:
     """Everything the ranks sent that has not been read yet."""
     messages = []

@@ -20,6 +20,7 @@ from aiospawn._rank import channel as rank_channel
 from aiospawn._rank import wire
 from aiospawn._rank.async_channel import AsyncChannel
 from aiospawn._rank.wire import CALL_ID, FROM_RANK, FrameReader, Link, header
+from tests.helpers import first_frame
 
 
 class Handler:
@@ -93,7 +94,7 @@ def test_a_blocking_channel_keeps_each_kind_for_the_call_that_waits_for_it(
     assert replies[1] == (True, 42)
     ok, (type_name, text) = replies[2]  # type: ignore[misc]
     assert (ok, type_name) == (False, "builtins.LookupError")
-    assert text.splitlines()[1].endswith(", in fails")  # starts in the handler, not in serve
+    assert first_frame(text).endswith(", in fails")  # starts in the handler, not in serve
     assert replies[3][0] is False
     with pytest.raises(EOFError):
         channel.receive()
@@ -117,7 +118,7 @@ async def test_an_awaited_channel_keeps_each_kind_for_the_call_that_waits_for_it
     for call_id, where in ((2, "fails"), (5, "fails_later")):
         ok, (type_name, text) = replies[call_id]  # type: ignore[misc]
         assert (ok, type_name) == (False, "builtins.LookupError")
-        assert text.splitlines()[1].endswith(f", in {where}")
+        assert first_frame(text).endswith(f", in {where}")
     assert replies[3][0] is False
     with pytest.raises(EOFError):
         await channel.receive()
