@@ -34,6 +34,11 @@ SCENARIOS = {
     "cli": ("bench_cli", "cli", "The `aiospawn run` launcher"),
     "warm": ("bench_warm", "warm", "Warm starts: torch ranks forked from a preloaded template"),
     "live": ("bench_live", "live", "Live ranks: channels and collective calls"),
+    "unjoined": (
+        "bench_unjoined",
+        "unjoined",
+        "A `join=False` group nobody joins: round trip and reaping",
+    ),
     "ray": ("bench_ray", "ray_backend", "Ray backend against local ranks"),
 }
 
