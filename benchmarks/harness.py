@@ -78,6 +78,8 @@ class ScenarioResult:
     load_after: tuple[float, float, float] = (0.0, 0.0, 0.0)
     seconds: float = 0.0
     skipped: str | None = None
+    #: The directory of the ``aiospawn`` package the scenario ran (which checkout).
+    library: str = ""
 
     def add(self, case: str, peer: str, measure: Measure) -> None:
         """Append one run's measure to the series of ``case`` and ``peer``."""
