@@ -3,11 +3,12 @@
 ``compare.py`` measures two checkouts of the library against each other in
 alternation, round after round; the full scenarios, with their torch peers
 (minutes of torch imports), would not fit many rounds. These run the same
-peer functions as ``startup``, ``failure``, ``teardown``, ``lag`` and ``live``
-(imported from their modules, so a figure here is measured as there), on
-fewer cases, each beside the floor that does not depend on aiospawn (plain
-``multiprocessing``, the torch-style loop, the idle loop, a raw socket):
-a floor that moves between the two checkouts shows a load that did.
+peer functions as ``startup``, ``failure``, ``teardown``, ``lag``, ``live``
+and ``unjoined`` (imported from their modules, so a figure here is measured
+as there), on fewer cases, each beside the floor that does not depend on
+aiospawn (plain ``multiprocessing``, the torch-style loop, the idle loop, a
+raw socket): a floor that moves between the two checkouts shows a load that
+did. Their trial counts are per round: ``compare.py`` pools the rounds.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from bench_supervise import (
     _loop_teardown,
     _mp_lag,
 )
+from bench_unjoined import unjoined as unjoined_scenario
 from harness import Measure, Peer, ScenarioResult, alternate
 
 import aiospawn
@@ -36,7 +38,7 @@ import aiospawn
 async def startup(result: ScenarioResult, quick: bool) -> None:
     """``startup`` without torch: aiospawn against N plain processes, per start method."""
     _warm_forkserver()
-    trials = 2 if quick else 5
+    trials = 2 if quick else 3
     sizes = (1, 8)
     for method in ("spawn", "forkserver", "fork"):
         for nprocs in sizes:
@@ -70,8 +72,8 @@ async def failure(result: ScenarioResult, quick: bool) -> None:
 async def teardown(result: ScenarioResult, quick: bool) -> None:
     """``teardown``: from cancelling the block to every rank reaped, 64 fork ranks."""
     cases = [
-        ("all honour SIGTERM", -1, 5.0, 2 if quick else 4),
-        ("rank 0 ignores SIGTERM, grace 0.5 s", 0, 0.5, 1 if quick else 2),
+        ("all honour SIGTERM", -1, 5.0, 2 if quick else 3),
+        ("rank 0 ignores SIGTERM, grace 0.5 s", 0, 0.5, 1),
     ]
     for label, ignore_rank, grace, trials in cases:
         await alternate(
@@ -96,7 +98,7 @@ async def teardown(result: ScenarioResult, quick: bool) -> None:
 
 async def lag(result: ScenarioResult, quick: bool) -> None:
     """``lag`` without torch: a 1 ms ticker while N ranks start, run 2 s and are torn down."""
-    trials = 1 if quick else 2
+    trials = 1
     # spawn N=32: the case issue 25 quotes (the loop's worst gap while 32 spawn ranks start).
     cases = (("fork", 16), ("spawn", 8)) if quick else (("fork", 64), ("spawn", 32))
     for index, (method, nprocs) in enumerate(cases):
@@ -112,9 +114,9 @@ async def lag(result: ScenarioResult, quick: bool) -> None:
 
 async def live(result: ScenarioResult, quick: bool) -> None:
     """``live``'s round trips and collective call: a block's channel against a raw socket."""
-    trials = 2 if quick else 4
-    small_count, large_count = (500, 50) if quick else (2000, 200)
-    calls = 300 if quick else 1000
+    trials = 2
+    small_count, large_count = (500, 50) if quick else (2000, 100)
+    calls = 300 if quick else 500
     loop_socket = LoopSocket()
     try:
         async with aiospawn.open_group(
@@ -159,3 +161,8 @@ async def live(result: ScenarioResult, quick: bool) -> None:
             ],
         )
     result.note("As `live` (`bench_live.py`): round trips and collective calls, in a block.")
+
+
+async def unjoined(result: ScenarioResult, quick: bool) -> None:
+    """``unjoined`` with a round's share of its trials: 4 of round trips, 10 reaps."""
+    await unjoined_scenario(result, quick, trials=4, reap_trials=10)

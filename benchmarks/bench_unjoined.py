@@ -111,11 +111,16 @@ async def _reap_block() -> Measure:
     return measure
 
 
-async def unjoined(result: ScenarioResult, quick: bool) -> None:
-    """A ``join=False`` group nobody joins: 64 B round trips and the reaping of an exit."""
-    trials = 3 if quick else 7
+async def unjoined(
+    result: ScenarioResult, quick: bool, trials: int = 7, reap_trials: int = 20
+) -> None:
+    """A ``join=False`` group nobody joins: 64 B round trips and the reaping of an exit.
+
+    ``trials`` and ``reap_trials`` are the full run's; ``--quick`` runs 3 and 5.
+    """
+    if quick:
+        trials, reap_trials = 3, 5
     count = 500 if quick else 2000
-    reap_trials = 5 if quick else 20
     loop_socket = LoopSocket()
     try:
         async with aiospawn.open_group(

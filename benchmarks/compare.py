@@ -2,7 +2,7 @@
 
     python benchmarks/compare.py --before /tmp/old --after . --rounds 4
     python benchmarks/compare.py --before /tmp/old --after . --quick --rounds 1
-    python benchmarks/compare.py ... --scenarios compact-live,unjoined --append results.md
+    python benchmarks/compare.py ... --scenarios compact-live,compact-unjoined --append results.md
 
 The benchmarks' own code is this directory's, for both checkouts; only the
 library differs. Each run of a scenario is a fresh interpreter
@@ -25,6 +25,7 @@ import argparse
 import datetime
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -44,7 +45,7 @@ DEFAULT_SCENARIOS = (
     "compact-teardown",
     "compact-lag",
     "compact-live",
-    "unjoined",
+    "compact-unjoined",
 )
 
 #: Run with the checkout's PYTHONPATH: which ``aiospawn`` the parent and its ranks import.
@@ -73,6 +74,8 @@ class Checkout:
     subject: str = ""
     dirty: bool = False
     results: dict[str, list[ScenarioResult]] = field(default_factory=dict)
+    #: Per scenario, per run: cores' worth of CPU that other processes used meanwhile.
+    others: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def src(self) -> str:
@@ -112,14 +115,37 @@ def check_library(checkout: Checkout) -> None:
             raise SystemExit(f"{checkout.label}: {where} imported {path}, not {checkout.src}")
 
 
+def _busy_seconds() -> float:
+    """CPU seconds the whole machine has spent not idle since boot (``/proc/stat``)."""
+    with open("/proc/stat") as file:
+        fields = [int(value) for value in file.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle, iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _children_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run_one(checkout: Checkout, name: str, quick: bool, scratch: str, tag: str) -> ScenarioResult:
-    """One fresh interpreter running scenario ``name`` against ``checkout``."""
+    """One fresh interpreter running scenario ``name`` against ``checkout``.
+
+    Records in ``checkout.others`` how many cores other processes kept busy
+    meanwhile: the machine's busy CPU time less the run's own (the worker and
+    every rank it reaped), over the run's wall time. The load average lags by
+    a minute; this does not.
+    """
     json_path = os.path.join(scratch, f"{len(os.listdir(scratch))}-{checkout.label}-{name}.json")
     command = [sys.executable, os.path.join(HERE, "run.py"), "--worker", name, "--json", json_path]
     if quick:
         command.append("--quick")
     progress(f"== {tag} {checkout.label} ({checkout.commit[:7]}): {name}")
+    wall, busy, ours = time.monotonic(), _busy_seconds(), _children_seconds()
     completed = subprocess.run(command, env=checkout.env(), cwd=HERE, check=False)
+    wall = time.monotonic() - wall
+    busy, ours = _busy_seconds() - busy, _children_seconds() - ours
+    checkout.others.setdefault(name, []).append(max(0.0, busy - ours) / wall)
     if completed.returncode != 0 or not os.path.exists(json_path):
         raise SystemExit(f"{name} failed for {checkout.label} (exit code {completed.returncode})")
     with open(json_path) as file:
@@ -142,8 +168,11 @@ def pooled(results: list[ScenarioResult]) -> dict[tuple[str, str, str], Series]:
     return merged
 
 
-def _loads(results: list[ScenarioResult]) -> str:
-    return ", ".join(f"{r.load_before[0]:.1f} ({r.seconds:.0f} s)" for r in results)
+def _loads(side: Checkout, name: str) -> str:
+    return ", ".join(
+        f"{result.load_before[0]:.1f} ({result.seconds:.0f} s, {others:.1f})"
+        for result, others in zip(side.results[name], side.others[name], strict=True)
+    )
 
 
 def section(before: Checkout, after: Checkout, names: list[str], mode: str) -> str:
@@ -151,6 +180,10 @@ def section(before: Checkout, after: Checkout, names: list[str], mode: str) -> s
     host = machine()
     every = [r for side in (before, after) for name in names for r in side.results[name]]
     ones = sorted(r.load_before[0] for r in every)
+    others = {
+        side.label: sorted(value for name in names for value in side.others[name])
+        for side in (before, after)
+    }
     out = [
         f"## Before and after the group's owner (issue 25), {host['date']}",
         "",
@@ -166,6 +199,10 @@ def section(before: Checkout, after: Checkout, names: list[str], mode: str) -> s
         f" {percentile(ones, 50):.1f}, from {ones[0]:.1f} to {ones[-1]:.1f} (2 cores: above"
         " about 1 the figures are noisy; compare the two sides, and each side's floor rows,"
         " which do not depend on aiospawn).",
+        "- Cores other processes kept busy during the runs (the machine's busy CPU time less"
+        " the run's own, over its wall time), median: "
+        + "; ".join(f"{label} {percentile(values, 50):.2f}" for label, values in others.items())
+        + ".",
         "",
         "Each scenario ran for both checkouts back to back, in fresh interpreters with"
         " `PYTHONPATH=<checkout>/src` (checked: the parent and its spawn, forkserver and fork"
@@ -196,21 +233,22 @@ def section(before: Checkout, after: Checkout, names: list[str], mode: str) -> s
             )
         out += [
             "",
-            f"Load average (1 min) before each run, and the run's time: before"
-            f" {_loads(before.results[name])};"
-            f" after {_loads(after.results[name])}.",
+            "Load average (1 min) before each run (the run's time, and the cores other"
+            f" processes kept busy meanwhile): before {_loads(before, name)};"
+            f" after {_loads(after, name)}.",
             "",
         ]
-    if "unjoined" in names:
-        out += verdicts(before, after)
+    for name in ("unjoined", "compact-unjoined"):
+        if name in names:
+            out += verdicts(before, after, name)
     return "\n".join(out)
 
 
-def verdicts(before: Checkout, after: Checkout) -> list[str]:
+def verdicts(before: Checkout, after: Checkout, name: str) -> list[str]:
     """Issue 25's two figures: reaping within 100 ms, and the round trip of a block."""
-    out = ["### A `join=False` group nobody joins: the issue's bounds", ""]
+    out = [f"### A `join=False` group nobody joins: the issue's bounds (`{name}`)", ""]
     for side in (before, after):
-        series = pooled(side.results["unjoined"])
+        series = pooled(side.results[name])
         reap = next(
             s
             for k, s in series.items()
@@ -234,6 +272,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--before", required=True, help="checkout measured as 'before'")
     parser.add_argument("--after", required=True, help="checkout measured as 'after'")
     parser.add_argument("--rounds", type=int, default=3, help="alternations of the two (3)")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        help="minutes: start no round once the time so far plus the slowest round exceeds this",
+    )
     parser.add_argument("--quick", action="store_true", help="the scenarios' --quick sizes")
     parser.add_argument(
         "--scenarios",
@@ -256,18 +299,28 @@ def main(argv: list[str]) -> int:
         check_library(side)
         side.results = {name: [] for name in names}
     started = time.monotonic()
+    slowest = 0.0
+    rounds = 0
     with tempfile.TemporaryDirectory(prefix="aiospawn-compare-") as scratch:
         for round_index in range(args.rounds):
+            elapsed = time.monotonic() - started
+            if args.budget is not None and rounds and elapsed + slowest > args.budget * 60:
+                progress(f"compare.py: stopping after {rounds} rounds (--budget {args.budget:g})")
+                break
+            began = time.monotonic()
             for name in names:
                 order = sides if round_index % 2 == 0 else sides[::-1]
                 for side in order:
                     tag = f"round {round_index + 1}/{args.rounds}"
                     side.results[name].append(run_one(side, name, args.quick, scratch, tag))
+            slowest = max(slowest, time.monotonic() - began)
+            rounds += 1
     minutes = (time.monotonic() - started) / 60
+    command = f"--rounds {args.rounds}" + (f" --budget {args.budget:g}" if args.budget else "")
     mode = (
-        f"Mode: {'quick' if args.quick else 'full'} sizes, {args.rounds} rounds,"
+        f"Mode: {'quick' if args.quick else 'full'} sizes, {rounds} rounds,"
         f" {minutes:.0f} min in all, aiospawn on asyncio;"
-        f" `benchmarks/compare.py --rounds {args.rounds}{' --quick' if args.quick else ''}`"
+        f" `benchmarks/compare.py {command}{' --quick' if args.quick else ''}`"
     )
     text = section(sides[0], sides[1], names, mode)
     print(text)

@@ -50,6 +50,11 @@ COMPACT = {
     "compact-teardown": ("bench_compare", "teardown", "Teardown"),
     "compact-lag": ("bench_compare", "lag", "Event-loop lag, without torch"),
     "compact-live": ("bench_compare", "live", "Channels: round trips and collective calls"),
+    "compact-unjoined": (
+        "bench_compare",
+        "unjoined",
+        "A `join=False` group nobody joins: round trip and reaping",
+    ),
 }
 
 #: Scenarios a run leaves out unless named: ``ray`` needs the ray extra and
