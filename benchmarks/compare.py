@@ -191,6 +191,10 @@ def section(before: Checkout, after: Checkout, names: list[str], mode: str) -> s
         f" kernel {host['kernel']}",
         f"- {mode}",
     ]
+    bench = subprocess.run(
+        ["git", "-C", HERE, "log", "-1", "--format=%h"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    out.append(f"- Benchmark code (both sides): `benchmarks/` at {bench or 'unknown'}")
     for side in (before, after):
         dirty = " (with uncommitted changes under src/)" if side.dirty else ""
         out.append(f'- {side.label}: `{side.root}` at {side.commit[:10]}{dirty}, "{side.subject}"')
