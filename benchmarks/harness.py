@@ -80,6 +80,8 @@ class ScenarioResult:
     skipped: str | None = None
     #: case -> the peer whose median the report divides by ("ratio to floor"), if any.
     floors: dict[str, str] = field(default_factory=dict)
+    #: The directory of the ``aiospawn`` package the scenario ran (which checkout).
+    library: str = ""
 
     def add(self, case: str, peer: str, measure: Measure) -> None:
         """Append one run's measure to the series of ``case`` and ``peer``."""

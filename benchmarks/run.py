@@ -35,11 +35,31 @@ SCENARIOS = {
     "cli": ("bench_cli", "cli", "The `aiospawn run` launcher"),
     "warm": ("bench_warm", "warm", "Warm starts: torch ranks forked from a preloaded template"),
     "live": ("bench_live", "live", "Live ranks: channels and collective calls"),
+    "unjoined": (
+        "bench_unjoined",
+        "unjoined",
+        "A `join=False` group nobody joins: round trip and reaping",
+    ),
     "ray": ("bench_ray", "ray_backend", "Ray backend against local ranks"),
     "dataplane": (
         "bench_dataplane",
         "dataplane",
         "The data plane against the floors and its peers (issue 26)",
+    ),
+}
+
+#: Compact scenarios without torch, for ``compare.py`` (two checkouts, many rounds); a run
+#: leaves them out unless named with ``--only``.
+COMPACT = {
+    "compact-startup": ("bench_compare", "startup", "Start-up, without torch"),
+    "compact-failure": ("bench_compare", "failure", "Failure detection, without torch"),
+    "compact-teardown": ("bench_compare", "teardown", "Teardown"),
+    "compact-lag": ("bench_compare", "lag", "Event-loop lag, without torch"),
+    "compact-live": ("bench_compare", "live", "Channels: round trips and collective calls"),
+    "compact-unjoined": (
+        "bench_compare",
+        "unjoined",
+        "A `join=False` group nobody joins: round trip and reaping",
     ),
 }
 
@@ -56,7 +76,7 @@ def main(argv: list[str]) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer trials and ranks (~2 min)")
-    parser.add_argument("--only", choices=list(SCENARIOS), help="run this scenario alone")
+    parser.add_argument("--only", choices=[*SCENARIOS, *COMPACT], help="run this scenario alone")
     parser.add_argument(
         "--with-ray",
         action="store_true",
@@ -70,7 +90,7 @@ def main(argv: list[str]) -> int:
         default=None,
         help="path prefix of the report files (default: benchmarks/results)",
     )
-    parser.add_argument("--worker", choices=list(SCENARIOS), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=[*SCENARIOS, *COMPACT], help=argparse.SUPPRESS)
     parser.add_argument("--json", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -91,9 +111,12 @@ def _worker(name: str, quick: bool, backend: str, json_path: str) -> int:
     import anyio
     from harness import ScenarioResult, Skipped, progress
 
-    module, function, title = SCENARIOS[name]
+    import aiospawn
+
+    module, function, title = {**SCENARIOS, **COMPACT}[name]
     scenario = getattr(importlib.import_module(module), function)
     result = ScenarioResult(name=name, title=title)
+    result.library = os.path.dirname(os.path.abspath(aiospawn.__file__))
     result.load_before = os.getloadavg()
     started = time.monotonic()
     try:

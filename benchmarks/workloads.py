@@ -17,6 +17,9 @@ import time
 #: Written by :func:`fail_after` just before the failing rank exits.
 FAIL_STAMP = "fail"
 
+#: Written by :func:`exit_when_told` just before the exiting rank exits.
+EXIT_STAMP = "exit"
+
 
 def record_entry(rank: int, outdir: str) -> float:
     """Record the entry time of rank ``rank`` and return it: the trivial rank."""
@@ -59,6 +62,25 @@ def fail_after(rank: int, outdir: str, delay: float, failing_rank: int = 1) -> N
     fd = os.open(os.path.join(outdir, FAIL_STAMP), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.write(fd, repr(time.monotonic()).encode())
     os._exit(1)
+
+
+def exit_when_told(rank: int, outdir: str, go: object, exiting_rank: int = 1) -> None:
+    """Record the entry; rank ``exiting_rank`` exits with code 0 once told, the others sleep.
+
+    ``go`` is the reading end of a ``multiprocessing.Pipe``: the exiting rank
+    blocks on it, so the parent is watching before the rank exits. Just before
+    ``os._exit(0)`` the rank writes the ``time.monotonic()`` of its exit to
+    ``outdir/exit`` through an already open descriptor, as :func:`fail_after` does.
+    """
+    if rank != exiting_rank:
+        record_entry(rank, outdir)
+        while True:
+            time.sleep(3600)
+    fd = os.open(os.path.join(outdir, EXIT_STAMP), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    record_entry(rank, outdir)
+    go.recv()  # type: ignore[attr-defined]
+    os.write(fd, repr(time.monotonic()).encode())
+    os._exit(0)
 
 
 def write_stamp(outdir: str, name: str, value: float) -> None:
@@ -114,3 +136,10 @@ def send_rank(rank: int, connection: object) -> None:
     """
     connection.send(rank)  # type: ignore[attr-defined]
     connection.close()  # type: ignore[attr-defined]
+
+
+def aiospawn_origin(rank: int) -> str:
+    """The file of the ``aiospawn`` package this rank runs with (which checkout it imported)."""
+    import sys
+
+    return str(sys.modules["aiospawn"].__file__)
