@@ -118,7 +118,10 @@ class _StatusChannel:
 
 
 def _readable(fd: int) -> bool:
-    ready, _, _ = select.select([fd], [], [], 0)
+    try:
+        ready, _, _ = select.select([fd], [], [], 0)
+    except OSError:  # closed meanwhile by another thread: the exit has been recorded
+        return True
     return bool(ready)
 
 

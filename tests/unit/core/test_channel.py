@@ -19,6 +19,7 @@ import anyio
 import pytest
 
 import aiospawn
+from aiospawn._core import _pickles
 from aiospawn._core._channel import INBOX_MESSAGES, QUEUED_BYTES
 from aiospawn._rank.wire import Link as Frame
 from tests.fake_backend import FakeBackend, MemoryLink, start_group
@@ -229,7 +230,12 @@ async def test_a_cancelled_call_tells_each_rank_that_has_not_answered_to_cancel_
         assert link(backend, 1).cancelled == []  # it answered: nothing to stop
 
 
-async def test_a_call_cancelled_before_it_was_queued_sends_neither_call_nor_cancel() -> None:
+async def test_a_call_cancelled_before_it_was_queued_sends_neither_call_nor_cancel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Every message pickled on the loop: one pickled on a worker thread would
+    # count as blocked, and be cancelled before it is queued (seen on trio).
+    monkeypatch.setattr(_pickles, "THREAD_BYTES", 1 << 30)
     async with fake_group(1) as (ctx, backend):
         rank = link(backend, 0)
         rank.window = 1024
@@ -237,7 +243,9 @@ async def test_a_call_cancelled_before_it_was_queued_sends_neither_call_nor_canc
         await channel.send(b"x" * 2000)  # fills the rank's window: it does not read
 
         async def queue_a_message() -> None:  # queued whole, it waits to be written
-            await channel.send(b"y" * QUEUED_BYTES)
+            # More than the queue's bound even after the writer fills the
+            # rank's window with its start: the call cannot queue behind it.
+            await channel.send(b"y" * (QUEUED_BYTES + 4 * rank.window))
 
         async def call() -> None:  # waits for room to queue its CALL
             await ctx.call("never")
