@@ -740,7 +740,10 @@ class Group(Generic[T]):
         for rank in self._ranks:
             started = self._last_starts[rank.rank]
             if rank.started and rank not in self._recorded and started is not None:
-                yield rank, started.time, rank in self._faulty or rank.rank in restarting
+                # An exit seen but not recorded yet is no hang: its slot may
+                # read as never having beaten once the rank is gone.
+                over = rank.exit is not None or rank in self._faulty
+                yield rank, started.time, over or rank.rank in restarting
 
     def _hung(self, rank: RankHandle, hang: Hang) -> None:
         if rank in self._recorded or rank.exit is not None or self._shutdown is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -155,6 +156,10 @@ class HangMonitor:
 
     async def run(self) -> None:
         """Find ranks that stopped beating (or never began), and report them; until cancelled."""
+        # Each attempt is probed once at most: the group may decline a report
+        # (the rank exited meanwhile), and probing it again at once would spin
+        # the loop without ever letting that exit be recorded.
+        probed: weakref.WeakSet[RankHandle] = weakref.WeakSet()
         while True:
             if self._shutting_down():
                 await self._changed.wait()
@@ -165,7 +170,12 @@ class HangMonitor:
                 attempts[rank.rank] = rank
                 last_beat = rank.last_beat() if isinstance(rank, HasHeartbeats) else None
                 watched.append(
-                    Watched(rank=rank.rank, started=started, last_beat=last_beat, stopping=stopping)
+                    Watched(
+                        rank=rank.rank,
+                        started=started,
+                        last_beat=last_beat,
+                        stopping=stopping or rank in probed,
+                    )
                 )
             check = self._watch.find(watched, self._clock())
             if not check.hung:
@@ -176,6 +186,7 @@ class HangMonitor:
             # is taken once, and the hang reported. (Nothing looks for hangs
             # meanwhile, so the rank is not found hung twice.)
             overdue = check.hung[0]
+            probed.add(attempts[overdue.rank])
             await run_to_completion(functools.partial(self._probe, attempts[overdue.rank], overdue))
 
     async def _probe(self, rank: RankHandle, overdue: Overdue) -> None:

@@ -176,3 +176,24 @@ async def test_while_the_group_shuts_down_the_monitor_looks_at_nothing() -> None
     assert (group.looked, group.reports) == (0, [])
     await run_until_blocked(group.monitor(clock, heartbeat=10, startup=30), then=shutdown_ends)
     assert [rank for rank, _ in group.reports] == [0]
+
+
+class Exited(Attempt):
+    """An attempt whose process has exited: it answers for no stack, at once."""
+
+    async def stack(self, patience: float) -> None:  # type: ignore[override]
+        self.asked.append(patience)
+
+
+@pytest.mark.anyio
+async def test_a_report_the_group_declines_is_not_probed_again() -> None:
+    # The rank exited after the group's snapshot, before its exit was recorded:
+    # the group declines the report. Probing it again at once, with no wait,
+    # would spin the loop and starve the task that records the exit.
+    clock = FakeClock(1000.0)
+    gone = Exited(0)
+    group = Group(gone)
+    declined: list[int] = []
+    group.report = lambda rank, hang: declined.append(rank.rank)  # type: ignore[method-assign]
+    await run_until_blocked(group.monitor(clock, heartbeat=10, startup=30))
+    assert (declined, gone.asked) == ([0], [STACK_TIMEOUT])
