@@ -8,9 +8,12 @@ their rank, one after the other, and reports per group:
 * the wall time, from just before the call to the values in hand;
 * the loop's worst gap: a task sleeping 1 ms in a loop records how late each
   wake-up is (``--ticker``; it costs CPU of its own, so CPU is measured
-  without it);
+  without it), and the most CPU the loop's thread spent between two wake-ups
+  (``gap_cpu``: the longest stretch of work on the loop, apart from what the
+  kernel's scheduler and other threads holding the GIL add);
 * the parent's CPU (user + sys of every thread of the supervising process,
-  ``getrusage(RUSAGE_SELF)``), of which the loop's thread (``/proc``).
+  ``getrusage(RUSAGE_SELF)``), and the loop thread's own (``time.thread_time()``
+  read on the loop: what ran on the loop, GIL waits and preemption excluded).
 
 Peers: ``aiospawn`` (``await aiospawn.start_processes(...)``, in ``anyio.run``
 or with ``--asyncio-run`` in ``asyncio.run``, whose anyio has not loaded its
@@ -43,26 +46,17 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 #: The trial, run as ``python -c``. argv: peer, method, nprocs, groups, ticker, runner.
 TRIAL = """
-import json, os, resource, sys, threading, time
+import json, resource, sys, time
 import workloads
 
-peer, method, nprocs, groups = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+peer, method, nprocs, count = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 ticker_on, runner = sys.argv[5] == "1", sys.argv[6]
 import anyio, aiospawn, multiprocessing
 
-state = {"max": 0.0}
-tick = os.sysconf("SC_CLK_TCK")
-main_tid = threading.get_native_id()
-
-
+state = {"max": 0.0, "max_cpu": 0.0}
 def cpu():
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
-
-
-def loop_cpu():
-    fields = open(f"/proc/self/task/{main_tid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / tick
 
 
 def mp_group():
@@ -84,39 +78,64 @@ def mp_group():
     assert values == list(range(nprocs)), values
 
 
-async def ticker():
+async def ticker(sleep):
     while True:
-        began = time.perf_counter()
-        await anyio.sleep(0.001)
+        began, busy = time.perf_counter(), time.thread_time()
+        await sleep(0.001)
         state["max"] = max(state["max"], time.perf_counter() - began - 0.001)
+        # The loop thread's own CPU between two wake-ups: the longest stretch
+        # of work on the loop, whatever the scheduler and the GIL did.
+        state["max_cpu"] = max(state["max_cpu"], time.thread_time() - busy)
 
 
 async def main():
+    # Under asyncio.run the trial itself uses asyncio alone, so that anyio's
+    # backend is still to be loaded when the group starts, as in a plain
+    # asyncio program.
+    if runner == "asyncio":
+        import asyncio
+
+        sleep = asyncio.sleep
+
+        def in_thread(fn):
+            return asyncio.get_running_loop().run_in_executor(None, fn)
+    else:
+        sleep, in_thread = anyio.sleep, anyio.to_thread.run_sync
     out = []
-    async with anyio.create_task_group() as tg:
-        if ticker_on:
-            tg.start_soon(ticker)
-            await anyio.sleep(0.05)
-        for _ in range(groups):
-            state["max"] = 0.0
-            cpu0, loop0, began = cpu(), loop_cpu(), time.perf_counter()
+    ticking = None
+    if ticker_on and runner == "asyncio":
+        ticking = asyncio.get_running_loop().create_task(ticker(sleep))
+
+    async def groups():
+        await sleep(0.05)
+        for _ in range(count):
+            state["max"] = state["max_cpu"] = 0.0
+            cpu0, loop0, began = cpu(), time.thread_time(), time.perf_counter()
             if peer == "aiospawn":
                 values = await aiospawn.start_processes(
                     workloads.return_rank, nprocs=nprocs, start_method=method
                 )
                 assert values == list(range(nprocs)), values
             elif peer == "mp-thread":
-                await anyio.to_thread.run_sync(mp_group)
+                await in_thread(mp_group)
             elif peer == "mp":
                 mp_group()
             else:
-                await anyio.sleep(0.3)
+                await sleep(0.3)
             wall = time.perf_counter() - began
             out.append({
-                "wall": wall * 1e3, "gap": state["max"] * 1e3,
-                "cpu": (cpu() - cpu0) * 1e3, "loop_cpu": (loop_cpu() - loop0) * 1e3,
+                "wall": wall * 1e3, "gap": state["max"] * 1e3, "gap_cpu": state["max_cpu"] * 1e3,
+                "cpu": (cpu() - cpu0) * 1e3, "loop_cpu": (time.thread_time() - loop0) * 1e3,
             })
-        tg.cancel_scope.cancel()
+    if runner == "asyncio" or not ticker_on:
+        await groups()
+        if ticking is not None:
+            ticking.cancel()
+    else:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ticker, sleep)
+            await groups()
+            tg.cancel_scope.cancel()
     return out
 
 
@@ -181,7 +200,7 @@ def main() -> None:
     for (method, label), results in rows.items():
         cells = []
         for index in range(args.groups):
-            for key in ("wall", "gap", "cpu", "loop_cpu"):
+            for key in ("wall", "gap", "gap_cpu", "cpu", "loop_cpu"):
                 values = [r["groups"][index][key] for r in results]  # type: ignore[index]
                 cells.append(f"g{index}.{key}={statistics.median(values):.1f}")
         load = statistics.median(float(r["load"]) for r in results)  # type: ignore[arg-type]
