@@ -309,8 +309,8 @@ def _start_fork_server() -> None:
 
     The import is part of the work: ``multiprocessing.forkserver`` pulls in
     ``multiprocessing.connection`` and ``tempfile`` (with ``shutil``,
-    ``random`` and the compression modules), about 9 ms of a first call that
-    would otherwise stall the event loop.
+    ``random`` and the compression modules), 11-12 ms of CPU here that would
+    otherwise stall the event loop during a first call.
     """
     from . import _forkserver
 
