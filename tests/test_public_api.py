@@ -190,6 +190,64 @@ def test_only_a_group_that_writes_to_a_directory_imports_pathlib(tmp_path: Path)
     assert sorted(path.name for path in tmp_path.iterdir()) == ["rank0.stdout", "rank1.stdout"]
 
 
+#: What a first call may import on the loop's thread: the facade's entry module
+#: and the two small modules it needs to tell which loop runs it.
+ALLOWED_ON_THE_LOOP = ("aiospawn._api", "aiospawn._core._loops", "aiospawn._core._notebook")
+
+
+def imported_on_the_loop(runner: str, start_method: str) -> set[str]:
+    """The modules a first group imports on the loop's thread, in a fresh interpreter.
+
+    ``runner``: ``"asyncio"`` (``asyncio.run``, so anyio has imported no
+    backend yet) or ``"trio"``. A finder first on ``sys.meta_path`` notes
+    every module looked up on the main thread while the call runs.
+    """
+    run = "asyncio.run(first_group())" if runner == "asyncio" else "trio.run(first_group)"
+    code = (
+        f"import json, operator, sys, threading, {runner}, aiospawn\n"
+        "main, seen = threading.get_ident(), []\n"
+        "class Spy:\n"
+        "    @staticmethod\n"
+        "    def find_spec(name, path=None, target=None):\n"
+        "        if threading.get_ident() == main:\n"
+        "            seen.append(name)\n"
+        "async def first_group():\n"
+        "    sys.meta_path.insert(0, Spy)\n"
+        "    try:\n"
+        "        ranks = await aiospawn.start_processes(\n"
+        f"            operator.neg, nprocs=2, start_method={start_method!r})\n"
+        "    finally:\n"
+        "        sys.meta_path.remove(Spy)\n"
+        "    assert ranks == [0, -1], ranks\n"
+        f"{run}\n"
+        "print(json.dumps(seen))\n"
+    )
+    completed = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert completed.returncode == 0, completed.stderr
+    return set(json.loads(completed.stdout))
+
+
+@pytest.mark.parametrize(
+    ("runner", "start_method"),
+    [("asyncio", "spawn"), ("asyncio", "forkserver"), ("trio", "forkserver")],
+)
+def test_a_first_call_imports_the_supervisor_off_the_loop(runner: str, start_method: str) -> None:
+    # Issue 25: on the loop, multiprocessing.forkserver's imports took about
+    # 9 ms of a first forkserver call, anyio's asyncio backend 25 ms of a
+    # first call under asyncio.run; the loop stalls meanwhile.
+    loaded = imported_on_the_loop(runner, start_method)
+    ours_or_heavy = {
+        name
+        for name in loaded
+        if name.startswith(("aiospawn", "anyio", "multiprocessing", "tempfile"))
+        and not name.startswith(ALLOWED_ON_THE_LOOP)
+        and name != "aiospawn._core"
+    }
+    assert not ours_or_heavy, f"imported on the loop's thread: {sorted(ours_or_heavy)}"
+
+
 def test_the_core_imports_no_backend_and_no_rank_bootstrap() -> None:
     core = sorted(
         f"aiospawn._core.{path.stem}"

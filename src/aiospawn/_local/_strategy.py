@@ -223,11 +223,9 @@ class Forkserver(Spawn):
 
     async def prepare(self) -> None:
         """Start the fork server now, once per process, so that it starts up meanwhile."""
-        from . import _forkserver
-
-        if not _forkserver.started_here():
-            # It forks, execs and waits for the exec.
-            await anyio.to_thread.run_sync(_forkserver.start_early)
+        module = sys.modules.get(f"{__package__}._forkserver")
+        if module is None or not module.started_here():
+            await anyio.to_thread.run_sync(_start_fork_server)
 
 
 class Fork(Strategy):
@@ -304,6 +302,21 @@ class Warm(_Pickled):
             await start_ranks(ranks, on_threads=True)
         finally:
             release(template)  # each rank forked holds it on its own
+
+
+def _start_fork_server() -> None:
+    """Import ``_forkserver`` and start the server: on a worker thread, all of it.
+
+    The import is part of the work: ``multiprocessing.forkserver`` pulls in
+    ``multiprocessing.connection`` and ``tempfile`` (with ``shutil``,
+    ``random`` and the compression modules), 11-12 ms of CPU here that would
+    otherwise stall the event loop during a first call.
+    """
+    from . import _forkserver
+
+    if not _forkserver.started_here():
+        # It forks, execs and waits for the exec.
+        _forkserver.start_early()
 
 
 _BY_METHOD: dict[str, type[Strategy]] = {"spawn": Spawn, "forkserver": Forkserver, "fork": Fork}
