@@ -396,16 +396,12 @@ class FrameReader:
 
     def _check(self, kind: int, size: int) -> None:
         assert self._sizes is not None
-        if kind & SHARED and self._shared:
-            start = SHARED_KINDS.get(kind & ~SHARED)
-            if start is None or (kind & ~SHARED) not in self._sizes:
-                raise FrameError(
-                    f"a frame of kind {kind} (its header: {bytes(self._header).hex(' ')})"
-                    " that may not carry shared memory"
-                )
+        base = kind & ~SHARED
+        if kind & SHARED and self._shared and base in SHARED_KINDS and base in self._sizes:
+            start = SHARED_KINDS[base]
             if size < start + LAYOUT.size:
                 raise FrameError(f"a shared frame of {size} bytes, too short for its layout")
-            kind &= ~SHARED
+            kind = base
         bounds = self._sizes.get(kind)
         if bounds is None:
             raise FrameError(
