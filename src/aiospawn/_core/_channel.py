@@ -284,6 +284,9 @@ class Conversation:
                 self._break(exc)
                 return
             self._take(frame)
+            # Not kept while the next frame is awaited: a received array
+            # (and its mapping) lives as long as its receiver holds it.
+            del frame
 
     async def _write_queued(self) -> None:
         while not self._ended and not self._write_failed:

@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import io
 import pickle
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import anyio
 import anyio.to_thread
 
 from aiospawn._rank import buffers, wire
 from aiospawn._rank.buffers import Packed
+
+T = TypeVar("T")
 
 #: A pickle this large or larger (its mapped buffers included) is encoded and
 #: decoded on a worker thread.
@@ -79,15 +82,13 @@ async def encode(obj: Any, shared: bool = False) -> Packed:
     except _TooLarge:
         # The thread's result comes back even if the task is cancelled
         # meanwhile (anyio waits for the thread): its memfd is never lost.
-        packed = await anyio.to_thread.run_sync(_dumps, obj, shared)
+        packed = await _off_loop(_dumps, obj, shared)
     except BaseException as exc:  # a __reduce__ may raise SystemExit: still obj's error
         raise _unpicklable(obj, exc) from exc
     else:
         body = b"".join(sink.parts)
         # Writing the buffers into the memfd copies them: off the loop.
-        packed = (
-            await anyio.to_thread.run_sync(buffers.pack, body, large) if large else Packed(body)
-        )
+        packed = await _off_loop(buffers.pack, body, large) if large else Packed(body)
     try:
         wire.check_size(len(packed.body))
     except ValueError:
@@ -123,7 +124,7 @@ async def decode(payload: wire.Payload | memoryview, what: str) -> Any:
             the unpickling raised, whatever it was (``SystemExit`` too).
     """
     if len(payload) >= THREAD_BYTES:
-        return await anyio.to_thread.run_sync(_loads, payload, what)
+        return await _off_loop(_loads, payload, what)
     return _loads(payload, what)
 
 
@@ -133,6 +134,28 @@ def _loads(payload: wire.Payload | memoryview, what: str) -> Any:
     except BaseException as exc:  # unpickling runs the rank's code: its error, not ours
         error = pickle.UnpicklingError(f"{what} cannot be unpickled here: {_describe(exc)}")
         raise error from exc
+
+
+async def _off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on a worker thread, which keeps no reference to its arguments or result.
+
+    An idle worker thread holds its last job's arguments and result until its
+    next job: a received array, its mapping, or the buffers of a sent one
+    would live on for as long.
+    """
+    box: list[Any] = [args, None]
+
+    def run() -> None:
+        given, box[0] = box[0], None
+        try:
+            box[1] = fn(*given)
+        finally:
+            del given
+
+    await anyio.to_thread.run_sync(run)
+    result: T = box[1]
+    box[1] = None
+    return result
 
 
 def _describe(exc: BaseException) -> str:

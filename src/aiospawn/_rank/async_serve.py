@@ -166,6 +166,9 @@ class Calls:
                 else:
                     assert not isinstance(item, int)
                     self.take(item)
+                # Not held while the next request is awaited: a mapped argument
+                # lives as long as the handler keeps it, no longer.
+                del item
         except EOFError:
             return
         except Exception as exc:  # the channel broke or was closed: serve() raises it as it is

@@ -230,7 +230,6 @@ def map_shared(payload: bytes | bytearray, start: int, fd: int) -> Mapped:
             sealed, smaller than the layout says): the frame breaks the format.
     """
     import fcntl
-    import mmap
 
     size = layout_size(payload, start)
     if not size:
@@ -252,12 +251,56 @@ def map_shared(payload: bytes | bytearray, start: int, fd: int) -> Mapped:
             )
     rest = bytes(payload[:start]) + bytes(payload[start + size :])
     if length == 0:
-        return Mapped(rest, [memoryview(b"")[:0] for _ in spans])
-    # Private: the receiver may write to what it got, and its pages are
-    # copied as it does; the seal keeps the sender's later writes out.
-    mapping = mmap.mmap(fd, length, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    whole = memoryview(mapping)
+        return Mapped(rest, [memoryview(bytearray()) for _ in spans])
+    whole = _map_private(fd, length)
     return Mapped(rest, [whole[offset : offset + span] for offset, span in spans])
+
+
+def _map_private(fd: int, length: int) -> memoryview:
+    """A private, writable mapping of ``length`` bytes of ``fd``, unmapped when its last view goes.
+
+    Private: the receiver may write to what it got, and its pages are copied
+    as it does; the seal keeps the sender's later writes out. Not through
+    ``mmap.mmap``, which keeps a duplicate of the descriptor for as long as
+    the mapping lives (before Python 3.13's ``trackfd``): a process holding
+    many received arrays would run out of descriptors.
+    """
+    import ctypes
+    import mmap
+    import weakref
+
+    libc = _libc()
+    address = libc.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE, fd, 0)
+    if address is None or address == ctypes.c_void_p(-1).value:
+        error = ctypes.get_errno()
+        raise OSError(error, f"cannot map the memfd: {os.strerror(error)}")
+    memory = (ctypes.c_char * length).from_address(address)
+    weakref.finalize(memory, libc.munmap, ctypes.c_void_p(address), ctypes.c_size_t(length))
+    return memoryview(memory).cast("B")
+
+
+_LIBC: Any = None
+
+
+def _libc() -> Any:
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_long,
+        ]
+        libc.munmap.restype = ctypes.c_int
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        _LIBC = libc
+    return _LIBC
 
 
 def loads(payload: bytes | bytearray | memoryview | Mapped) -> Any:

@@ -414,7 +414,11 @@ class Channel:
                 except EOFError:
                     return
                 call_id, ok, value = answer(handler, call)
+                # Neither the call nor its answer is held while the next call
+                # is awaited: a mapped buffer lives as long as its users.
+                del call
                 packed = reply(call_id, ok, value, frames.shares_memory)
+                del value
                 with self._sending:
                     self._frames.queue_packed(Link.REPLY, packed)
                     self._frames.flush()
