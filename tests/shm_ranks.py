@@ -124,5 +124,3 @@ def bad_frame(rank: int, how: str) -> None:
 
 def is_torch_loaded(rank: int) -> bool:
     return "torch" in sys.modules
-
-
