@@ -171,6 +171,30 @@ async def test_large_buffers_are_mapped_both_ways(
                 del back
 
 
+async def test_warm_ranks_map_large_buffers_both_ways(anyio_backend: str) -> None:
+    from aiospawn._local import _template
+
+    payload = np.arange(MiB, dtype=np.float64)
+    try:
+        with tripwire(120, "large buffers to a warm rank"):
+            async with aiospawn.open_group(shm_ranks.echo, nprocs=2, preload=["numpy"]) as ctx:
+                await ctx.channel(1).send(payload)
+                maps_there, back = await ctx.channel(1).receive()
+                assert maps_there == 1
+                assert len(shm_ranks.memfd_maps()) == 1
+                assert same(back, payload)
+                del back
+                for rank in range(2):
+                    await ctx.channel(rank).send("serve")
+                answers = await ctx.call("echo", payload)
+                assert [maps for maps, _ in answers] == [1, 1]
+                assert len(shm_ranks.memfd_maps()) == 2  # one memfd per answer
+                assert all(same(back, payload) for _, back in answers)
+                del answers
+    finally:
+        _template.stop_all()
+
+
 @pytest.mark.both_loops
 async def test_the_receivers_writes_and_the_senders_later_writes_stay_apart(
     anyio_backend: str,
