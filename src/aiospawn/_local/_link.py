@@ -50,6 +50,13 @@ class SocketLink:
         self._budget_spent = False  # frame_now() stopped for the loop's sake, not for data
         self._out = FrameQueue()
 
+    def __del__(self) -> None:
+        # The socket object only borrows the descriptor, which close() (or
+        # _pipes) closes: it must never close it itself, even unclosed.
+        sock = getattr(self, "_sock", None)
+        if sock is not None:
+            sock.detach()
+
     async def receive_frame(self) -> tuple[int, Payload] | None:
         """The next frame, or None at the end of the stream; cancellation-safe.
 

@@ -108,6 +108,10 @@ class Frames:
         self.broken: str | None = None
         self.closed = False
 
+    def __del__(self) -> None:
+        # The socket object borrows the descriptor: it never closes it itself.
+        self.forget_socket()
+
     def queue(self, kind: int, payload: bytes, fd: int = -1) -> None:
         self._check_open()
         self._out.add(kind, payload, fd)
@@ -224,8 +228,9 @@ class Frames:
 
     def forget_socket(self) -> None:
         """Let go of the socket object without closing the descriptor."""
-        if self._sock is not None:
-            self._sock.detach()
+        sock = getattr(self, "_sock", None)
+        if sock is not None:
+            sock.detach()
             self._sock = None
 
     def _check_open(self) -> None:
