@@ -15,7 +15,6 @@ travels with the frame (``aiospawn._rank.buffers``); the receiver maps it.
 
 from __future__ import annotations
 
-import io
 import pickle
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -99,12 +98,10 @@ async def encode(obj: Any, shared: bool = False) -> Packed:
 
 def _dumps(obj: Any, shared: bool) -> Packed:
     large: list[memoryview] | None = [] if shared else None
-    out = io.BytesIO()
     try:
-        buffers.pickler(out, large).dump(obj)
+        body = buffers.pickle_body(obj, large)
     except BaseException as exc:
         raise _unpicklable(obj, exc) from exc
-    body = out.getvalue()
     return buffers.pack(body, large) if large else Packed(body)
 
 

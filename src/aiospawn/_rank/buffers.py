@@ -135,27 +135,34 @@ class Mapped:
         return Mapped(self.pickle[size:], self.buffers)
 
 
+class _Collect:
+    """A pickler's ``buffer_callback``: keeps the large buffers out of band, in ``large``."""
+
+    __slots__ = ("large",)
+
+    def __init__(self, large: list[memoryview]) -> None:
+        self.large = large
+
+    def __call__(self, buffer: pickle.PickleBuffer) -> bool:
+        # True keeps the buffer in the pickle. raw() refuses a non-contiguous
+        # buffer: pickle then raises its own error for it.
+        try:
+            view = buffer.raw()
+        except BufferError:
+            return True
+        if view.nbytes < SHARED_BYTES:
+            return True
+        self.large.append(view)
+        return False
+
+
 def pickler(file: Any, large: list[memoryview] | None) -> pickle.Pickler:
     """A protocol-5 pickler into ``file``; ``large`` collects the buffers to share.
 
     With ``large`` None every buffer stays in the pickle. Tensors are reduced
     by :func:`_reduce_tensor` if torch is imported.
     """
-    callback = None
-    if large is not None:
-
-        def callback(buffer: pickle.PickleBuffer) -> bool:
-            # True keeps the buffer in the pickle. raw() refuses a
-            # non-contiguous buffer: pickle then raises its own error for it.
-            try:
-                view = buffer.raw()
-            except BufferError:
-                return True
-            if view.nbytes < SHARED_BYTES:
-                return True
-            large.append(view)
-            return False
-
+    callback = None if large is None else _Collect(large)
     kind = _TensorPickler if "torch" in sys.modules else pickle.Pickler
     return kind(file, protocol=5, buffer_callback=callback)
 
@@ -168,12 +175,25 @@ def dumps(obj: Any, shared: bool) -> Packed:
         OSError: The memfd could not be made (out of memory).
     """
     large: list[memoryview] | None = [] if shared else None
-    out = io.BytesIO()
-    pickler(out, large).dump(obj)
-    body = out.getvalue()
+    body = pickle_body(obj, large)
     if not large:
         return Packed(body)
     return pack(body, large)
+
+
+def pickle_body(obj: Any, large: list[memoryview] | None) -> bytes:
+    """Pickle ``obj`` as :func:`pickler` does, its large buffers into ``large``.
+
+    Raises:
+        BaseException: Whatever pickling ``obj`` raised.
+    """
+    if "torch" in sys.modules:
+        out = io.BytesIO()
+        pickler(out, large).dump(obj)
+        return out.getvalue()
+    # The C function: no file object to call (a small message's cost halves).
+    callback = None if large is None else _Collect(large)
+    return pickle.dumps(obj, protocol=5, buffer_callback=callback)
 
 
 def pack(body: bytes, large: list[memoryview]) -> Packed:

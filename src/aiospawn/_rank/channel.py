@@ -40,7 +40,6 @@ from __future__ import annotations
 import _thread
 import collections
 import contextlib
-import io
 import os
 import pickle
 import select
@@ -267,13 +266,11 @@ def pack(obj: Any, shared: bool) -> Packed:
     if not shared:
         return Packed(encode(obj))
     large: list[memoryview] = []
-    out = io.BytesIO()
     try:
-        buffers.pickler(out, large).dump(obj)
+        body = buffers.pickle_body(obj, large)
     except BaseException as exc:  # a __reduce__ may raise SystemExit: still obj's error
         error = TypeError(f"cannot send {type(obj).__qualname__} over the channel: {_raised(exc)}")
         raise error from exc
-    body = out.getvalue()
     wire.check_size(len(body))
     return buffers.pack(body, large) if large else Packed(body)
 
