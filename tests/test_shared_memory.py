@@ -13,6 +13,7 @@ functions: ``tests/shm_ranks.py``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import os
 import pickle
@@ -20,6 +21,7 @@ import signal
 from collections.abc import Iterator
 from typing import Any
 
+import anyio
 import pytest
 
 import aiospawn
@@ -247,6 +249,29 @@ async def test_a_shared_frame_the_supervisor_cannot_trust_fails_its_rank(
     assert info.value.error_index == 0
     assert "broke its channel" in str(info.value)
     assert says in str(info.value)
+
+
+async def test_sends_and_calls_cancelled_while_their_buffers_are_written_leave_no_memfd(
+    anyio_backend: str,
+) -> None:
+    big = np.zeros(16 * MiB // 8)
+    with tripwire(90, "cancelled sends of large buffers"):
+        async with aiospawn.open_group(shm_ranks.echo, nprocs=2, start_method="fork") as ctx:
+            channel = ctx.channel(0)
+            await channel.send("serve")
+            await ctx.channel(1).send("serve")
+            for _ in range(3):
+                for start in (channel.send, functools.partial(ctx.call, "inodes")):
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(start, big)
+                        # Waiting for the worker thread that writes the memfd.
+                        await anyio.wait_all_tasks_blocked()
+                        tg.cancel_scope.cancel()
+            # Calls still work, and a cancelled call's argument is dropped in
+            # the rank too (rank 0 keeps the messages it has not received).
+            [_, inodes] = await ctx.call("inodes", big)
+            assert len(inodes) == 1
+    # The fixture checks: no memfd, no mapping of one, nothing in /dev/shm.
 
 
 async def test_a_rank_killed_while_it_maps_a_buffer_leaves_nothing_behind(
