@@ -67,6 +67,8 @@ class MemoryLink:
     the supervisor's sends back.
     """
 
+    shares_memory = False
+
     def __init__(self, window: int = 64 * 1024) -> None:
         self.window = window
         self.unread: collections.deque[tuple[int, bytes]] = collections.deque()
@@ -103,8 +105,9 @@ class MemoryLink:
                 return frame
         return None if self._rank_closed else False
 
-    def queue_frame(self, kind: int, payload: bytes) -> None:
-        """Queue a frame for the rank."""
+    def queue_frame(self, kind: int, payload: bytes, fd: int = -1) -> None:
+        """Queue a frame for the rank (it carries no descriptor: memory is not shared)."""
+        assert fd < 0
         self._out.append((kind, bytes(payload)))
 
     @property
@@ -179,9 +182,9 @@ class MemoryLink:
     def reply(self, call_id: int, value: Any = None, *, error: BaseException | None = None) -> None:
         """The rank's handler answers call ``call_id`` with ``value``, or raised ``error``."""
         if error is None:
-            self.send(Frame.REPLY, rank_channel.reply(call_id, True, value))
+            self.send(Frame.REPLY, rank_channel.reply(call_id, True, value).body)
         else:
-            self.send(Frame.REPLY, rank_channel.reply(call_id, False, error))
+            self.send(Frame.REPLY, rank_channel.reply(call_id, False, error).body)
 
     def read(self) -> list[tuple[int, bytes]]:
         """Everything the supervisor wrote that the rank has not read: ``(kind, payload)``."""

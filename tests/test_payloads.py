@@ -37,7 +37,9 @@ async def test_encode_writes_a_buffer_as_pickle_dumps_does() -> None:
         [pickle.PickleBuffer(bytearray(b"x" * 70000)), np.ones(10000)],
     ]
     for obj in objects:
-        assert await encode(obj) == pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        packed = await encode(obj)
+        assert packed.fd == -1
+        assert packed.body == pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 @pytest.mark.parametrize(

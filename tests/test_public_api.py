@@ -343,7 +343,7 @@ def test_the_package_has_no_import_cycle() -> None:
 CORE_FORBIDS = frozenset({"multiprocessing", "resource"})
 
 #: Of aiospawn's own modules, the core imports only its own and the rank's wire format.
-CORE_MAY_IMPORT = ("aiospawn._core", "aiospawn._rank.wire")
+CORE_MAY_IMPORT = ("aiospawn._core", "aiospawn._rank.wire", "aiospawn._rank.buffers")
 
 
 def core_import_allowed(name: str) -> bool:

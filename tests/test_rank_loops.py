@@ -51,6 +51,7 @@ async def test_a_sync_rank_imports_no_event_loop(anyio_backend: str) -> None:
 PLAIN_RANK = [
     "aiospawn._rank.api",
     "aiospawn._rank.bootstrap",
+    "aiospawn._rank.buffers",
     "aiospawn._rank.channel",
     "aiospawn._rank.descendants",
     "aiospawn._rank.fds",

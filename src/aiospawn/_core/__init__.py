@@ -18,7 +18,8 @@ share; ``_loops`` which event loop runs the caller.
 
 Import rule: this package imports the standard library, anyio, and of the
 rest of aiospawn only ``aiospawn._rank.wire`` (the outcome frame a rank
-sends, which every backend hands back as it is). It never imports
+sends, which every backend hands back as it is) and ``aiospawn._rank.buffers``
+(how a frame's large buffers travel in a memfd). It never imports
 ``aiospawn._local``, ``aiospawn.ray``, ``aiospawn._api``, ``aiospawn.sync``,
 ``aiospawn._cli`` or the rank bootstrap, nor ``multiprocessing`` or
 ``resource`` (how local processes are made, what is pickled for them, how

@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from aiospawn._rank.wire import Payload
+
 from ._capture import CaptureBuffer
 from ._outcome import RankExit
 from ._spec import LaunchSpec
@@ -42,7 +44,11 @@ def raise_start_error(errors: Mapping[int, BaseException], count: int, where: st
 class Link(Protocol):
     """One attempt's frame transport, from the backend (a socket pair for local ranks)."""
 
-    async def receive_frame(self) -> tuple[int, bytes | bytearray] | None:
+    #: True if frames may carry a memfd (``_rank.buffers``): the large buffers
+    #: of what is sent then go through shared memory.
+    shares_memory: bool
+
+    async def receive_frame(self) -> tuple[int, Payload] | None:
         """The next frame, or None at the end of the stream.
 
         One task at a time. Cancellation-safe: a frame read in part is kept.
@@ -54,15 +60,19 @@ class Link(Protocol):
                 stream cannot be read further.
         """
 
-    def frame_now(self) -> tuple[int, bytes | bytearray] | bool | None:
+    def frame_now(self) -> tuple[int, Payload] | bool | None:
         """The next frame if it can be read without waiting; None at the end, else False.
 
         Raises:
             FrameError: As :meth:`receive_frame`.
         """
 
-    def queue_frame(self, kind: int, payload: bytes) -> None:
-        """Add a frame, whole, to the outgoing queue."""
+    def queue_frame(self, kind: int, payload: bytes, fd: int = -1) -> None:
+        """Add a frame, whole, to the outgoing queue.
+
+        ``fd`` (a memfd, only if :attr:`shares_memory`) goes with the frame;
+        the caller keeps its own and closes it.
+        """
 
     @property
     def queued(self) -> int:

@@ -43,7 +43,8 @@ import anyio.abc
 import anyio.to_thread
 from anyio.lowlevel import checkpoint
 
-from aiospawn._rank.wire import CALL_ID, FrameError
+from aiospawn._rank.buffers import Mapped, Packed
+from aiospawn._rank.wire import CALL_ID, FrameError, Payload, call_id_of
 from aiospawn._rank.wire import Link as Kind
 
 from ._backend import Link, RankHandle
@@ -178,9 +179,9 @@ class Conversation:
         self._on_broken = on_broken
         #: Set once the rank sent a frame that breaks the format.
         self.broken: BrokenChannel | None = None
-        self._inbox: collections.deque[bytes | bytearray] = collections.deque()
+        self._inbox: collections.deque[Payload] = collections.deque()
         self._inbox_bytes = 0
-        self._replies: dict[int, bytes | bytearray | None] = {}
+        self._replies: dict[int, Payload | None] = {}
         # One wake-up per kind of change, so that each waits only for its own.
         self._arrived = Broadcast()  # a frame was sorted, or the stream ended
         self._room = Broadcast()  # the inbox has room again
@@ -196,7 +197,7 @@ class Conversation:
         # Its callers have checkpointed already: an uncontended lock need not.
         self._send_lock = anyio.Lock(fast_acquire=True)
         self._receive_lock = anyio.Lock(fast_acquire=True)
-        self.ready_payload: bytes | bytearray | None = None
+        self.ready_payload: Payload | None = None
         self._public: RankChannel | None = None
 
     @property
@@ -208,6 +209,11 @@ class Conversation:
     def ready(self) -> bool:
         """True once the rank has called ``aiospawn.ready()``."""
         return self.ready_payload is not None
+
+    @property
+    def shares_memory(self) -> bool:
+        """True if large buffers sent here may go through a memfd (``_rank.buffers``)."""
+        return self._link.shares_memory
 
     @property
     def handle(self) -> RankChannel:
@@ -278,6 +284,9 @@ class Conversation:
                 self._break(exc)
                 return
             self._take(frame)
+            # Not kept while the next frame is awaited: a received array
+            # (and its mapping) lives as long as its receiver holds it.
+            del frame
 
     async def _write_queued(self) -> None:
         while not self._ended and not self._write_failed:
@@ -292,8 +301,11 @@ class Conversation:
         """:meth:`RankChannel.send`."""
         await checkpoint()
         self._check_sendable()
-        payload = await encode(item)
-        await self._send_frame(Kind.MESSAGE, payload)
+        packed = await encode(item, self._link.shares_memory)
+        try:
+            await self._send_frame(Kind.MESSAGE | packed.flag, packed.body, fd=packed.fd)
+        finally:
+            packed.close()  # the queue holds a copy of its own
 
     async def receive(self) -> Any:
         """:meth:`RankChannel.receive`."""
@@ -341,8 +353,11 @@ class Conversation:
             self.release()
         await checkpoint()
 
-    async def call(self, call_id: int, request: bytes) -> bytes | bytearray:
+    async def call(self, call_id: int, request: Packed) -> Payload:
         """Send one CALL frame and wait for its REPLY's payload.
+
+        ``request`` may go to several ranks: each queue holds a copy of its
+        memfd, and the caller closes its own.
 
         Raises:
             ProcessException: The rank failed before it answered.
@@ -364,7 +379,12 @@ class Conversation:
             queued = True
 
         try:
-            await self._send_frame(Kind.CALL, CALL_ID.pack(call_id) + request, on_queued)
+            await self._send_frame(
+                Kind.CALL | request.flag,
+                CALL_ID.pack(call_id) + request.body,
+                on_queued,
+                request.fd,
+            )
             await self._wait_for(lambda: self._replies[call_id] is not None)
             reply = self._replies[call_id]
             if reply is not None:
@@ -399,17 +419,25 @@ class Conversation:
             raise anyio.ClosedResourceError
 
     async def _send_frame(
-        self, kind: int, payload: bytes, on_queued: Callable[[], None] | None = None
+        self,
+        kind: int,
+        payload: bytes,
+        on_queued: Callable[[], None] | None = None,
+        fd: int = -1,
     ) -> None:
         async with self._send_lock:
             # Back-pressure: queued whole once little enough waits before it.
             while self._link.queued >= QUEUED_BYTES and not self._stopped_writing():
                 await self._written.wait()
             self._check_sendable()
-            await self._deliver(kind, payload, on_queued)
+            await self._deliver(kind, payload, on_queued, fd)
 
     async def _deliver(
-        self, kind: int, payload: bytes, on_queued: Callable[[], None] | None = None
+        self,
+        kind: int,
+        payload: bytes,
+        on_queued: Callable[[], None] | None = None,
+        fd: int = -1,
     ) -> None:
         """Queue a frame and wait until it is written; cancelled, the writer still writes it.
 
@@ -417,7 +445,7 @@ class Conversation:
         """
         if self._stopped_writing():
             await self._raise_end(f"rank {self.rank} has ended")
-        end = self._queue(kind, payload)
+        end = self._queue(kind, payload, fd)
         if on_queued is not None:
             on_queued()
         while self._written_bytes < end:
@@ -425,10 +453,10 @@ class Conversation:
                 await self._raise_end(f"rank {self.rank} has ended")
             await self._written.wait()
 
-    def _queue(self, kind: int, payload: bytes) -> int:
+    def _queue(self, kind: int, payload: bytes, fd: int = -1) -> int:
         """Queue a frame, write what the socket takes now; return where the frame ends."""
         before = self._link.queued
-        self._link.queue_frame(kind, payload)
+        self._link.queue_frame(kind, payload, fd)
         self._queued_bytes += self._link.queued - before
         self._write_some()
         self._to_write.notify()
@@ -466,7 +494,7 @@ class Conversation:
             self.release()
             self._on_broken(self._handle, self.broken)
 
-    def _take(self, frame: tuple[int, bytes | bytearray] | None) -> None:
+    def _take(self, frame: tuple[int, Payload] | None) -> None:
         """Sort one frame (None: the end of the stream); nothing is decoded here."""
         if frame is None:
             self.release()
@@ -476,9 +504,13 @@ class Conversation:
             self._inbox.append(payload)
             self._inbox_bytes += len(payload)
         elif kind == Kind.REPLY:
-            (call_id,) = CALL_ID.unpack_from(payload)
+            call_id = call_id_of(payload)
             if call_id in self._replies:  # else the call was cancelled or timed out
-                self._replies[call_id] = memoryview(payload)[CALL_ID.size :].tobytes()
+                self._replies[call_id] = (
+                    payload.after(CALL_ID.size)
+                    if isinstance(payload, Mapped)
+                    else memoryview(payload)[CALL_ID.size :].tobytes()
+                )
         elif kind == Kind.READY:
             if self.ready_payload is None:
                 self.ready_payload = payload

@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -31,6 +31,10 @@ from ._errors import ProcessException
 from ._events import EventLog, Ready
 from ._outcome import BrokenChannel, RankExit, rebuild_raised
 from ._pickles import decode, encode
+
+if TYPE_CHECKING:
+    from aiospawn._rank.buffers import Packed
+    from aiospawn._rank.wire import Payload
 
 
 class LiveRanks:
@@ -180,9 +184,25 @@ class LiveRanks:
                 f"ranks must name each rank once, got {ranks!r}"
                 f" (rank(s) {', '.join(map(str, twice))} more than once)"
             )
-        request = await encode((method, args, kwargs))
+        # Encoded once for every rank: a large buffer is written into one
+        # memfd, which each rank maps (each queue sends a copy of its descriptor).
+        shared = all(channel.shares_memory for channel in channels.values())
+        request = await encode((method, args, kwargs), shared)
+        try:
+            return await self._call(method, request, channels, targets, timeout)
+        finally:
+            request.close()
+
+    async def _call(
+        self,
+        method: str,
+        request: Packed,
+        channels: dict[int, Conversation],
+        targets: list[int],
+        timeout: float | None,
+    ) -> list[Any]:
         call_id = next(self._call_ids)
-        replies: dict[int, bytes | bytearray] = {}
+        replies: dict[int, Payload] = {}
         ended: dict[int, Exception] = {}
 
         async def one(index: int, channel: Conversation) -> None:

@@ -6,19 +6,29 @@ object's error (``TypeError`` to send, ``pickle.UnpicklingError`` to receive),
 never the caller's own. An object is first pickled on the loop into a sink
 that gives up at :data:`THREAD_BYTES`; a larger one is pickled again on a
 worker thread, and a payload that large is unpickled on one.
+
+Over a link that shares memory (``Link.shares_memory``: local ranks on
+Linux), out-of-band buffers of ``buffers.SHARED_BYTES`` (1 MiB) or more are
+left out of the pickle and written into a memfd, on a worker thread, which
+travels with the frame (``aiospawn._rank.buffers``); the receiver maps it.
 """
 
 from __future__ import annotations
 
 import pickle
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import anyio
 import anyio.to_thread
 
-from aiospawn._rank import wire
+from aiospawn._rank import buffers, wire
+from aiospawn._rank.buffers import Packed
 
-#: A pickle this large or larger is encoded and decoded on a worker thread.
+T = TypeVar("T")
+
+#: A pickle this large or larger (its mapped buffers included) is encoded and
+#: decoded on a worker thread.
 THREAD_BYTES = 256 * 1024
 
 
@@ -47,43 +57,63 @@ class _Sink:
         return size
 
 
-async def encode(obj: Any) -> bytes:
+async def encode(obj: Any, shared: bool = False) -> Packed:
     """Pickle ``obj``: on the loop while it stays small, else again on a worker thread.
+
+    Args:
+        obj: What to send.
+        shared: Large out-of-band buffers go into a memfd (the link shares memory).
+
+    Returns:
+        The frame's body, and the memfd if one was made: the caller closes it
+        (``Packed.close()``) once the frame is queued, whatever happens.
 
     Raises:
         TypeError: ``obj`` cannot be pickled (whatever its pickling raised,
             ``SystemExit`` included, is the cause).
         ValueError: Its pickle is larger than a frame carries (``wire.MAX_FRAME_BYTES``).
+        OSError: No memory for the memfd.
     """
     sink = _Sink()
+    large: list[memoryview] | None = [] if shared else None
     try:
-        pickle.Pickler(sink, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+        buffers.pickler(sink, large).dump(obj)
     except _TooLarge:
-        payload = await anyio.to_thread.run_sync(_dumps, obj)
+        # The thread's result comes back even if the task is cancelled
+        # meanwhile (anyio waits for the thread): its memfd is never lost.
+        packed = await _off_loop(_dumps, obj, shared)
     except BaseException as exc:  # a __reduce__ may raise SystemExit: still obj's error
         raise _unpicklable(obj, exc) from exc
     else:
-        payload = b"".join(sink.parts)
-    wire.check_size(len(payload))
-    return payload
-
-
-def _dumps(obj: Any) -> bytes:
+        body = b"".join(sink.parts)
+        # Writing the buffers into the memfd copies them: off the loop.
+        packed = await _off_loop(buffers.pack, body, large) if large else Packed(body)
     try:
-        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        wire.check_size(len(packed.body))
+    except ValueError:
+        packed.close()
+        raise
+    return packed
+
+
+def _dumps(obj: Any, shared: bool) -> Packed:
+    large: list[memoryview] | None = [] if shared else None
+    try:
+        body = buffers.pickle_body(obj, large)
     except BaseException as exc:
         raise _unpicklable(obj, exc) from exc
+    return buffers.pack(body, large) if large else Packed(body)
 
 
 def _unpicklable(obj: Any, exc: BaseException) -> TypeError:
     return TypeError(f"cannot send {type(obj).__qualname__} to a rank: {_describe(exc)}")
 
 
-async def decode(payload: bytes | bytearray, what: str) -> Any:
+async def decode(payload: wire.Payload | memoryview, what: str) -> Any:
     """Unpickle a frame's payload, on a worker thread when it is large.
 
     Args:
-        payload: The pickle.
+        payload: The pickle (with its mapped buffers, for a shared frame).
         what: What it is, for the error: ``"rank 1's message"``.
 
     Raises:
@@ -91,16 +121,38 @@ async def decode(payload: bytes | bytearray, what: str) -> Any:
             the unpickling raised, whatever it was (``SystemExit`` too).
     """
     if len(payload) >= THREAD_BYTES:
-        return await anyio.to_thread.run_sync(_loads, payload, what)
+        return await _off_loop(_loads, payload, what)
     return _loads(payload, what)
 
 
-def _loads(payload: bytes | bytearray, what: str) -> Any:
+def _loads(payload: wire.Payload | memoryview, what: str) -> Any:
     try:
-        return pickle.loads(payload)
+        return buffers.loads(payload)
     except BaseException as exc:  # unpickling runs the rank's code: its error, not ours
         error = pickle.UnpicklingError(f"{what} cannot be unpickled here: {_describe(exc)}")
         raise error from exc
+
+
+async def _off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on a worker thread, which keeps no reference to its arguments or result.
+
+    An idle worker thread holds its last job's arguments and result until its
+    next job: a received array, its mapping, or the buffers of a sent one
+    would live on for as long.
+    """
+    box: list[Any] = [args, None]
+
+    def run() -> None:
+        given, box[0] = box[0], None
+        try:
+            box[1] = fn(*given)
+        finally:
+            del given
+
+    await anyio.to_thread.run_sync(run)
+    result: T = box[1]
+    box[1] = None
+    return result
 
 
 def _describe(exc: BaseException) -> str:

@@ -2,7 +2,10 @@
 
 The supervisor keeps one end (non-blocking), the rank gets the other (see
 ``aiospawn._rank.channel``); both are made with the rank, like its result
-pipe, and recorded in the descriptor table a ``fork`` rank clears.
+pipe, and recorded in the descriptor table a ``fork`` rank clears. Frames
+whose large buffers are in a memfd carry its descriptor (``_rank.buffers``):
+reads take descriptors with the bytes (``recvmsg``), and the reader hands
+each to its frame.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ import socket
 import anyio
 from anyio.lowlevel import checkpoint
 
-from aiospawn._rank.wire import FROM_RANK, ChildEnd, FrameQueue, FrameReader
+from aiospawn._rank import buffers
+from aiospawn._rank.wire import FROM_RANK, ChildEnd, FrameQueue, FrameReader, Payload, receive
 
 from . import _pipes
 
@@ -32,14 +36,28 @@ def rank_socket() -> tuple[int, ChildEnd]:
 class SocketLink:
     """The supervisor's end of one local rank's channel (see ``_core._channel.Link``)."""
 
+    #: Frames may carry a memfd: the rank's socket passes descriptors.
+    shares_memory = buffers.AVAILABLE
+
     def __init__(self, fd: int) -> None:
         os.set_blocking(fd, False)
         self._fd: int | None = fd
-        self._reader = FrameReader(FROM_RANK)
+        # For recvmsg(); it never closes the descriptor (detached in close()).
+        self._sock = socket.socket(fileno=fd) if self.shares_memory else None
+        if self._sock is not None:
+            self._sock.setblocking(False)
+        self._reader = FrameReader(FROM_RANK, self.shares_memory)
         self._budget_spent = False  # frame_now() stopped for the loop's sake, not for data
         self._out = FrameQueue()
 
-    async def receive_frame(self) -> tuple[int, bytes | bytearray] | None:
+    def __del__(self) -> None:
+        # The socket object only borrows the descriptor, which close() (or
+        # _pipes) closes: it must never close it itself, even unclosed.
+        sock = getattr(self, "_sock", None)
+        if sock is not None:
+            sock.detach()
+
+    async def receive_frame(self) -> tuple[int, Payload] | None:
         """The next frame, or None at the end of the stream; cancellation-safe.
 
         Raises:
@@ -62,7 +80,7 @@ class SocketLink:
             except anyio.ClosedResourceError:  # released meanwhile
                 return None
 
-    def frame_now(self) -> tuple[int, bytes | bytearray] | bool | None:
+    def frame_now(self) -> tuple[int, Payload] | bool | None:
         """The next frame if it can be read without waiting; None at the end, else False.
 
         Raises:
@@ -75,7 +93,10 @@ class SocketLink:
             if fd is None:
                 return None
             try:
-                data = os.read(fd, min(self._reader.wanted, _READ_CHUNK))
+                if self._sock is None:
+                    data = os.read(fd, min(self._reader.wanted, _READ_CHUNK))
+                else:
+                    data = receive(self._sock, self._reader, _READ_CHUNK)
             except BlockingIOError:
                 return False
             except ConnectionResetError:  # the rank exited with our frames unread
@@ -83,17 +104,17 @@ class SocketLink:
             if not data:
                 return None
             self._reader.feed(data)
-            frame = self._reader.frame()
+            frame = self._reader.shared_frame()
             if frame is not None:
-                self._reader = FrameReader(FROM_RANK)
+                self._reader = FrameReader(FROM_RANK, self.shares_memory)
                 return frame
             budget -= len(data)
         self._budget_spent = True
         return False
 
-    def queue_frame(self, kind: int, payload: bytes) -> None:
-        """Add a frame, whole, to the outgoing queue."""
-        self._out.add(kind, payload)
+    def queue_frame(self, kind: int, payload: bytes, fd: int = -1) -> None:
+        """Add a frame, whole, to the outgoing queue; a copy of ``fd`` goes with it."""
+        self._out.add(kind, payload, fd)
 
     @property
     def queued(self) -> int:
@@ -123,6 +144,10 @@ class SocketLink:
         """Close our end, waking a task that waits on it."""
         fd, self._fd = self._fd, None
         self._out.clear()
+        self._reader.discard()
+        if self._sock is not None:
+            self._sock.detach()
+            self._sock = None
         if fd is not None:
             # Shut down first: under fork, a sibling rank holds a copy of this
             # end until it has dropped the supervisor's descriptors, and

@@ -19,7 +19,7 @@ one the rank runs (``async_main``), imported by it.
 from __future__ import annotations
 
 from .async_serve import Calls, serve_asyncio, serve_trio
-from .channel import check_limit, decode, encode
+from .channel import check_limit, decode, pack
 from .wire import Link
 
 # For the checker only: a rank never imports typing (the package's import rule).
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from typing import Any
 
     from .channel import Frames
+    from .wire import Payload
 
 
 class AsyncChannel:
@@ -58,10 +59,14 @@ class AsyncChannel:
             The message is queued whole before it is written: if the task is
             cancelled meanwhile, what is left of it still goes out, first.
         """
-        payload = encode(obj)
-        self._claim("_sender", "send")
+        packed = pack(obj, self._frames.shares_memory)
         try:
-            self._frames.queue(Link.MESSAGE, payload)
+            self._claim("_sender", "send")
+        except BaseException:
+            packed.close()
+            raise
+        try:
+            self._frames.queue_packed(Link.MESSAGE, packed)
             await self._flush()
         finally:
             self._sender = None
@@ -142,7 +147,7 @@ class AsyncChannel:
             while not self._frames.write_some():
                 await self._wait(write=True)
 
-    async def _next(self, kept: collections.deque[bytes | bytearray]) -> bytes | bytearray:
+    async def _next(self, kept: collections.deque[Payload]) -> Payload:
         frames = self._frames
         while True:
             frames._check_open()
@@ -153,7 +158,7 @@ class AsyncChannel:
                 return frame
             await self._wait(write=False)
 
-    async def _next_request(self, busy: bool) -> tuple[int, int | bytes | bytearray]:
+    async def _next_request(self, busy: bool) -> tuple[int, int | Payload]:
         """``(CANCEL, call id)`` or ``(CALL, frame)``: what ``serve()`` takes next.
 
         Cancellations first, those read with a call too: each names a call

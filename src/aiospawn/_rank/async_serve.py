@@ -41,7 +41,7 @@ from __future__ import annotations
 import collections
 
 from .channel import answer, reply
-from .wire import CALL_ID, Link, from_fn
+from .wire import Link, call_id_of, from_fn
 
 # For the checker only: a rank never imports typing (the package's import rule).
 TYPE_CHECKING = False
@@ -50,9 +50,10 @@ if TYPE_CHECKING:
     from typing import Any
 
     from .channel import Frames
+    from .wire import Payload
 
     #: ``(CANCEL, call id)`` or ``(CALL, frame)``, given whether calls are running.
-    NextRequest = Callable[[bool], Awaitable[tuple[int, int | bytes | bytearray]]]
+    NextRequest = Callable[[bool], Awaitable[tuple[int, int | Payload]]]
 
 
 class Calls:
@@ -87,7 +88,7 @@ class Calls:
         self.limit = limit
         #: Call id -> what cancels its task, while its handler runs.
         self.running: dict[int, Callable[[], object]] = {}
-        self.waiting: collections.deque[bytes | bytearray] = collections.deque()
+        self.waiting: collections.deque[Payload] = collections.deque()
         #: Calls whose task was cancelled at the supervisor's request.
         self.cancelled: set[int] = set()
         #: True once ``serve()`` ends: no waiting call starts any more.
@@ -100,14 +101,14 @@ class Calls:
         self.spawn: Callable[[Coroutine[Any, Any, None]], object] = _unset
         self.stop_all: Callable[[], None] = _unset
 
-    def take(self, call: bytes | bytearray) -> None:
+    def take(self, call: Payload) -> None:
         """A CALL taken off the channel: start it, or keep it until a task ends."""
         if self.limit is not None and len(self.running) >= self.limit:
             self.waiting.append(call)
         else:
             self.start(call)
 
-    def start(self, call: bytes | bytearray) -> None:
+    def start(self, call: Payload) -> None:
         """Run a sync method and answer; give an ``async def`` one's coroutine a task."""
         try:
             call_id, ok, value = answer(self.handler, call)
@@ -129,7 +130,7 @@ class Calls:
             stop()
             return
         for index, call in enumerate(self.waiting):
-            if CALL_ID.unpack_from(call)[0] == call_id:
+            if call_id_of(call) == call_id:
                 del self.waiting[index]
                 return
         # Else it has answered already: the supervisor drops that answer.
@@ -165,6 +166,9 @@ class Calls:
                 else:
                     assert not isinstance(item, int)
                     self.take(item)
+                # Not held while the next request is awaited: a mapped argument
+                # lives as long as the handler keeps it, no longer.
+                del item
         except EOFError:
             return
         except Exception as exc:  # the channel broke or was closed: serve() raises it as it is
@@ -182,7 +186,7 @@ class Calls:
         """Queue the answer and write what the socket takes; a task writes the rest."""
         frames = self.frames
         try:
-            frames.queue(Link.REPLY, reply(call_id, ok, value))
+            frames.queue_packed(Link.REPLY, reply(call_id, ok, value, frames.shares_memory))
             if frames.write_some():
                 return
         except Exception as exc:  # the channel broke, or was closed, under the call
@@ -243,7 +247,7 @@ async def serve_asyncio(calls: Calls) -> None:
             _close(pending)  # never started, if cancelled at once
         frames = calls.frames
         try:
-            frames.queue(Link.REPLY, reply(call_id, ok, value))
+            frames.queue_packed(Link.REPLY, reply(call_id, ok, value, frames.shares_memory))
         except Exception as exc:  # the rank closed its channel under the call
             calls.fail(exc)
             return
@@ -303,7 +307,7 @@ async def serve_trio(calls: Calls) -> None:
             return  # a CANCEL: nobody waits for an answer
         frames = calls.frames
         try:
-            frames.queue(Link.REPLY, reply(call_id, ok, value))
+            frames.queue_packed(Link.REPLY, reply(call_id, ok, value, frames.shares_memory))
         except Exception as exc:  # the rank closed its channel under the call
             calls.fail(exc)
             return

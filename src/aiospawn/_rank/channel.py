@@ -45,7 +45,8 @@ import pickle
 import select
 import time
 
-from . import wire
+from . import buffers, wire
+from .buffers import Packed
 from .fds import identity
 from .wire import (
     CALL_ID,
@@ -54,9 +55,13 @@ from .wire import (
     FrameQueue,
     FrameReader,
     Link,
+    Payload,
+    after_call_id,
+    call_id_of,
     describe,
     encode_exception,
     from_fn,
+    receive,
 )
 
 # For the checker only: a rank never imports typing (the package's import rule).
@@ -69,16 +74,29 @@ _READ_CHUNK = 256 * 1024
 
 
 class Frames:
-    """The rank's socket end: frames queued to write, frames read and sorted by kind."""
+    """The rank's socket end: frames queued to write, frames read and sorted by kind.
 
-    def __init__(self, fd: int) -> None:
+    With ``shares_memory`` (a local rank's Unix socket, on Linux), frames may
+    carry a memfd both ways (``buffers``).
+    """
+
+    def __init__(self, fd: int, shares_memory: bool = False) -> None:
         self.fd = fd
         os.set_blocking(fd, False)
         self._identity = identity(fd)
         self._out = FrameQueue()
-        self._reader = FrameReader(TO_RANK)
-        self.messages: collections.deque[bytes | bytearray] = collections.deque()
-        self.calls: collections.deque[bytes | bytearray] = collections.deque()
+        #: Large buffers sent from here go through a memfd.
+        self.shares_memory = shares_memory and buffers.AVAILABLE
+        self._sock: Any = None
+        if self.shares_memory:
+            import socket
+
+            # For recvmsg(); detached before the descriptor is closed.
+            self._sock = socket.socket(fileno=fd)
+            self._sock.setblocking(False)
+        self._reader = FrameReader(TO_RANK, self.shares_memory)
+        self.messages: collections.deque[Payload] = collections.deque()
+        self.calls: collections.deque[Payload] = collections.deque()
         #: The ids of calls the supervisor cancelled after ``serve()`` took them.
         self.cancels: collections.deque[int] = collections.deque()
         #: Held by a thread of a sync rank while it queues and writes a frame.
@@ -89,9 +107,20 @@ class Frames:
         self.broken: str | None = None
         self.closed = False
 
-    def queue(self, kind: int, payload: bytes) -> None:
+    def __del__(self) -> None:
+        # The socket object borrows the descriptor: it never closes it itself.
+        self.forget_socket()
+
+    def queue(self, kind: int, payload: bytes, fd: int = -1) -> None:
         self._check_open()
-        self._out.add(kind, payload)
+        self._out.add(kind, payload, fd)
+
+    def queue_packed(self, kind: int, packed: Packed) -> None:
+        """Queue ``packed`` as a ``kind`` frame, and close its memfd (the queue has a copy)."""
+        try:
+            self.queue(kind | packed.flag, packed.body, packed.fd)
+        finally:
+            packed.close()
 
     @property
     def unsent(self) -> bool:
@@ -112,7 +141,10 @@ class Frames:
         """Read what the socket holds now, sorting each complete frame by kind."""
         while not self.peer_closed:
             try:
-                data = os.read(self.fd, min(self._reader.wanted, _READ_CHUNK))
+                if self._sock is None:
+                    data = os.read(self.fd, min(self._reader.wanted, _READ_CHUNK))
+                else:
+                    data = receive(self._sock, self._reader, _READ_CHUNK)
             except BlockingIOError:
                 return
             except ConnectionResetError:
@@ -122,33 +154,33 @@ class Frames:
                 return
             try:
                 self._reader.feed(data)
+                frame = self._reader.shared_frame()
             except FrameError as exc:  # nothing more can be read: as if closed
                 self.broken = str(exc)
                 self.peer_closed = True
                 return
-            frame = self._reader.frame()
             if frame is None:
                 continue
-            self._reader = FrameReader(TO_RANK)
+            self._reader = FrameReader(TO_RANK, self.shares_memory)
             kind, payload = frame
             if kind == Link.MESSAGE:
                 self.messages.append(payload)
             elif kind == Link.CALL:
                 self.calls.append(payload)
             elif kind == Link.CANCEL:
-                self._cancel(CALL_ID.unpack_from(payload)[0])
+                self._cancel(call_id_of(payload))
             elif kind == Link.CLOSE:
                 self.peer_closed = True
 
     def _cancel(self, call_id: int) -> None:
         """The supervisor gave up on a call: drop it if it waits here, else tell ``serve()``."""
         for index, call in enumerate(self.calls):
-            if CALL_ID.unpack_from(call)[0] == call_id:
+            if call_id_of(call) == call_id:
                 del self.calls[index]  # never started: nobody will run it
                 return
         self.cancels.append(call_id)
 
-    def take(self, kept: collections.deque[bytes | bytearray]) -> bytes | bytearray | None:
+    def take(self, kept: collections.deque[Payload]) -> Payload | None:
         """The next frame of ``kept`` (``messages`` or ``calls``), or None: wait, then ask again.
 
         Reads what the socket holds now first, if nothing is kept. Blocking
@@ -188,7 +220,17 @@ class Frames:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
+            self._out.clear()
+            self._reader.discard()
+            self.forget_socket()
             os.close(self.fd)
+
+    def forget_socket(self) -> None:
+        """Let go of the socket object without closing the descriptor."""
+        sock = getattr(self, "_sock", None)
+        if sock is not None:
+            sock.detach()
+            self._sock = None
 
     def _check_open(self) -> None:
         if self.closed:
@@ -212,15 +254,36 @@ def encode(obj: Any) -> bytes:
     return payload
 
 
-def decode(payload: bytes | bytearray | memoryview, what: str) -> Any:
-    """Unpickle a frame's payload.
+def pack(obj: Any, shared: bool) -> Packed:
+    """Pickle ``obj`` for a frame; with ``shared``, its large buffers go into a memfd.
+
+    Raises:
+        TypeError: ``obj`` cannot be pickled (whatever its pickling raised,
+            ``SystemExit`` included, is the cause).
+        ValueError: Its pickle is larger than a frame carries.
+        OSError: No memory for the memfd.
+    """
+    if not shared:
+        return Packed(encode(obj))
+    large: list[memoryview] = []
+    try:
+        body = buffers.pickle_body(obj, large)
+    except BaseException as exc:  # a __reduce__ may raise SystemExit: still obj's error
+        error = TypeError(f"cannot send {type(obj).__qualname__} over the channel: {_raised(exc)}")
+        raise error from exc
+    wire.check_size(len(body))
+    return buffers.pack(body, large) if large else Packed(body)
+
+
+def decode(payload: Payload | memoryview, what: str) -> Any:
+    """Unpickle a frame's payload (with its mapped buffers, for a shared frame).
 
     Raises:
         pickle.UnpicklingError: It cannot be unpickled; its cause is what the
             unpickling raised, whatever it was (``SystemExit`` too).
     """
     try:
-        return pickle.loads(payload)
+        return buffers.loads(payload)
     except BaseException as exc:  # the pickle's own code raised: its error, not the rank's end
         raise pickle.UnpicklingError(f"{what} cannot be unpickled: {_raised(exc)}") from exc
 
@@ -231,37 +294,36 @@ def _raised(exc: BaseException) -> str:
     return name if text == name else f"{name}: {text}"
 
 
-def reply(call_id: int, ok: bool, value: Any) -> bytes:
-    """The payload of the REPLY frame to call ``call_id``: ``value``, or the exception raised.
+def reply(call_id: int, ok: bool, value: Any, shared: bool = False) -> Packed:
+    """The REPLY frame to call ``call_id``: ``value``, or the exception raised.
 
-    A value that cannot be pickled or sent is replied as the error that says so.
+    A value that cannot be pickled or sent is replied as the error that says
+    so. With ``shared``, the value's large buffers go into a memfd.
     """
     if ok:
         try:
-            pickled = pickle.dumps((True, value), protocol=pickle.HIGHEST_PROTOCOL)
-        except BaseException as exc:  # a __reduce__ may raise SystemExit: still this answer's
-            error: Exception = TypeError(
-                f"the handler's return value cannot be pickled: {_raised(exc)}"
-            )
-            error.__cause__ = exc
-            value = error
+            packed = pack((True, value), shared)
+        except TypeError as exc:  # pack()'s, whose cause is what the pickling raised
+            cause = exc.__cause__ if exc.__cause__ is not None else exc
+            value = TypeError(f"the handler's return value cannot be pickled: {_raised(cause)}")
+            value.__cause__ = cause
+        except ValueError as exc:
+            value = ValueError(f"the handler's return value cannot be sent: {exc}")
+        except OSError as exc:
+            value = OSError(f"the handler's return value cannot be sent: {exc}")
         else:
-            try:
-                wire.check_size(len(pickled))
-            except ValueError as exc:
-                value = ValueError(f"the handler's return value cannot be sent: {exc}")
-            else:
-                return CALL_ID.pack(call_id) + pickled
-    return CALL_ID.pack(call_id) + pickle.dumps((False, encode_exception(value)))
+            return packed.prefixed(CALL_ID.pack(call_id))
+    return Packed(CALL_ID.pack(call_id) + pickle.dumps((False, encode_exception(value))))
 
 
-def _split(call: bytes | bytearray) -> tuple[int, memoryview]:
+def _split(call: Payload) -> tuple[int, memoryview | bytes | buffers.Mapped]:
     """``(call_id, request pickle)`` of a CALL frame (its size was checked as it was read)."""
-    (call_id,) = CALL_ID.unpack_from(call)
-    return call_id, memoryview(call)[CALL_ID.size :]
+    return call_id_of(call), after_call_id(call)
 
 
-def _request(request: memoryview) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
+def _request(
+    request: memoryview | bytes | buffers.Mapped,
+) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
     method, args, kwargs = decode(request, "the call's method and arguments")
     return method, args, kwargs
 
@@ -272,7 +334,7 @@ def _lookup(handler: Any, method: str) -> Any:
     return getattr(handler, method)
 
 
-def answer(handler: Any, call: bytes | bytearray) -> tuple[int, bool, Any]:
+def answer(handler: Any, call: Payload) -> tuple[int, bool, Any]:
     """``(call_id, ok, value)``: ``handler``'s answer to a CALL frame, or what it raised.
 
     The value of an ``async def`` method is its coroutine, which an async
@@ -307,9 +369,9 @@ class Channel:
             BrokenPipeError: The supervisor closed its end (``aclose()``).
             OSError: The channel was closed by this rank.
         """
-        payload = encode(obj)
+        packed = pack(obj, self._frames.shares_memory)
         with self._sending:
-            self._frames.queue(Link.MESSAGE, payload)
+            self._frames.queue_packed(Link.MESSAGE, packed)
             self._frames.flush()
 
     def receive(self) -> Any:
@@ -354,8 +416,13 @@ class Channel:
                 except EOFError:
                     return
                 call_id, ok, value = answer(handler, call)
+                # Neither the call nor its answer is held while the next call
+                # is awaited: a mapped buffer lives as long as its users.
+                del call
+                packed = reply(call_id, ok, value, frames.shares_memory)
+                del value
                 with self._sending:
-                    self._frames.queue(Link.REPLY, reply(call_id, ok, value))
+                    self._frames.queue_packed(Link.REPLY, packed)
                     self._frames.flush()
 
     def close(self) -> None:
@@ -366,7 +433,7 @@ class Channel:
                 self._frames.flush()
                 self._frames.close()
 
-    def _next(self, kept: collections.deque[bytes | bytearray]) -> bytes | bytearray:
+    def _next(self, kept: collections.deque[Payload]) -> Payload:
         frames = self._frames
         while True:
             frames._check_open()
@@ -410,6 +477,7 @@ def finish(frames: Frames | None, patience: float) -> None:
         return
     if identity(frames.fd) != frames._identity:
         frames.closed = True
+        frames.forget_socket()
         return
     if frames.unsent:
         with contextlib.suppress(OSError):
@@ -417,6 +485,10 @@ def finish(frames: Frames | None, patience: float) -> None:
     frames.close()
 
 
-def open_channel(fd: int) -> Frames:
-    """The rank's frames over its socket end ``fd``."""
-    return Frames(fd)
+def open_channel(fd: int, shares_memory: bool = False) -> Frames:
+    """The rank's frames over its socket end ``fd``.
+
+    ``shares_memory``: the supervisor reads the socket with its descriptors
+    (a local rank's), so large buffers may go through a memfd both ways.
+    """
+    return Frames(fd, shares_memory)

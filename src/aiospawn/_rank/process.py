@@ -164,7 +164,11 @@ def prepare(setup: RankSetup, report_fd: int) -> None:
     guard_supervisor(setup.supervisor_pid, setup.supervisor_is_parent)
     if setup.env:  # a fork start has not set them yet
         os.environ.update(setup.env)
-    frames = None if setup.channel is None else open_channel(move_high(setup.channel.fd))
+    frames = (
+        None
+        if setup.channel is None
+        else open_channel(move_high(setup.channel.fd), shares_memory=True)
+    )
     beat = None
     if setup.heartbeat is not None and setup.stacks is not None:
         beat = _watch_progress(setup.heartbeat, setup.stacks)

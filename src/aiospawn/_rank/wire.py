@@ -27,6 +27,8 @@ import pickle
 import signal
 import struct
 
+from .buffers import LAYOUT, SHARED, Mapped, map_shared
+
 # For the checker only: a rank never imports typing (the package's import rule).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -104,7 +106,8 @@ MAX_FRAME_BYTES = 1 << 30
 
 #: ``kind: (smallest, largest payload)`` of the frames a rank may send on its
 #: channel; ``None`` stands for :data:`MAX_FRAME_BYTES`. A REPLY starts with its
-#: :data:`CALL_ID`; a CLOSE is empty.
+#: :data:`CALL_ID`; a CLOSE is empty. The kinds in :data:`SHARED_KINDS` may
+#: carry the ``buffers.SHARED`` flag too.
 FROM_RANK: dict[int, tuple[int, int | None]] = {
     Link.MESSAGE: (0, None),
     Link.READY: (0, None),
@@ -119,6 +122,10 @@ TO_RANK: dict[int, tuple[int, int | None]] = {
     Link.CLOSE: (0, 0),
     Link.CANCEL: (CALL_ID.size, CALL_ID.size),
 }
+
+#: The kinds whose frames may carry a memfd (``buffers``), and whether their
+#: payload starts with a :data:`CALL_ID` (before the layout).
+SHARED_KINDS: dict[int, int] = {Link.MESSAGE: 0, Link.CALL: CALL_ID.size, Link.REPLY: CALL_ID.size}
 
 _LINK_NAMES = {
     Link.MESSAGE: "MESSAGE",
@@ -158,24 +165,31 @@ class FrameQueue:
     """Frames waiting to be written to a non-blocking descriptor, each queued whole.
 
     Both ends of a channel write through one: the rank (``_rank.channel``) and
-    the supervisor (``_local._link``).
+    the supervisor (``_local._link``). A frame may carry a descriptor (a
+    memfd, see ``buffers``): it is sent with the frame's first bytes.
     """
 
     def __init__(self) -> None:
-        self._out: collections.deque[memoryview] = collections.deque()
+        # Each part with the descriptor that goes with its first byte, or -1.
+        self._out: collections.deque[tuple[memoryview, int]] = collections.deque()
         #: Bytes queued and not yet written.
         self.queued = 0
 
-    def add(self, kind: int, payload: bytes) -> None:
-        """Queue one frame, whole."""
+    def add(self, kind: int, payload: bytes, fd: int = -1) -> None:
+        """Queue one frame, whole; with ``fd``, a copy of it goes with the frame.
+
+        The caller keeps ``fd``: the queue holds a duplicate until it is sent
+        (or dropped by :meth:`clear`).
+        """
         head = HEADER.pack(kind, len(payload))
+        sent = -1 if fd < 0 else os.dup(fd)
         if len(payload) <= JOIN_BYTES:
             # One write, not two: a header written alone wakes the reader,
             # which then waits again for the payload.
-            self._out.append(memoryview(head + payload))
+            self._out.append((memoryview(head + payload), sent))
         else:
-            self._out.append(memoryview(head))
-            self._out.append(memoryview(payload))
+            self._out.append((memoryview(head), sent))
+            self._out.append((memoryview(payload), -1))
         self.queued += len(head) + len(payload)
 
     def write_some(self, fd: int) -> bool:
@@ -185,24 +199,98 @@ class FrameQueue:
             BrokenPipeError: The other end is closed (a reset reads as this too).
         """
         while self._out:
-            head = self._out[0]
+            head, passed = self._out[0]
             try:
-                written = os.write(fd, head)
+                written = os.write(fd, head) if passed < 0 else _send_with(fd, head, passed)
             except BlockingIOError:
                 return False
             except ConnectionResetError as exc:
                 raise BrokenPipeError(str(exc)) from exc
+            if passed >= 0:
+                os.close(passed)  # it went with the bytes just written
             self.queued -= written
             if written == len(head):
                 self._out.popleft()
             else:
-                self._out[0] = head[written:]
+                self._out[0] = (head[written:], -1)
         return True
 
     def clear(self) -> None:
-        """Drop everything queued."""
+        """Drop everything queued (closing the descriptors that were to go with it)."""
+        for _, passed in self._out:
+            if passed >= 0:
+                os.close(passed)
         self._out.clear()
         self.queued = 0
+
+
+def _send_with(fd: int, data: memoryview, passed: int) -> int:
+    """Write ``data`` to the socket ``fd`` with the descriptor ``passed`` (``SCM_RIGHTS``)."""
+    import array
+    import socket
+
+    sock = socket.socket(fileno=fd)
+    try:
+        rights = array.array("i", [passed])
+        return sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, rights)])
+    finally:
+        sock.detach()
+
+
+#: Room for this many descriptors per read: one is all a frame brings, and
+#: more, from a rank that breaks the format, are closed by the kernel (their
+#: read is flagged as cut short) or by the reader.
+_FDS_PER_READ = 4
+
+
+def receive(sock: Any, reader: FrameReader, chunk: int) -> bytes:
+    """Read at most ``chunk`` bytes of ``reader``'s frame from ``sock``, and any descriptor.
+
+    Descriptors go to ``reader``, which gives each to its frame. Returns
+    ``b""`` at the end of the stream.
+
+    A sender passes a frame's descriptor with the frame's first bytes
+    (:class:`FrameQueue`), and a Unix socket never hands over bytes sent
+    after a descriptor in the read that returns bytes sent before it: so
+    only the header's read asks for descriptors (``recvmsg`` costs a few
+    microseconds more than ``read``). A descriptor sent with a payload's bytes
+    is closed by the kernel as they are read.
+
+    Raises:
+        BlockingIOError: Nothing to read now.
+        ConnectionResetError: The other end is gone.
+    """
+    if not reader.at_header:
+        return os.read(sock.fileno(), min(reader.wanted, chunk))
+    data: bytes
+    data, ancillary, flags, _ = sock.recvmsg(min(reader.wanted, chunk), _ANCILLARY_SPACE, _CLOEXEC)
+    if ancillary:
+        for level, kind, fds in ancillary:
+            if level == _SOL_SOCKET and kind == _SCM_RIGHTS:
+                usable = len(fds) - len(fds) % 4
+                reader.add_fds(list(memoryview(fds)[:usable].cast("i")))
+    if flags & _CTRUNC:
+        reader.add_fds([-1])  # more than a frame brings: the frame is refused
+    return data
+
+
+def _socket_constants() -> tuple[int, int, int, int, int]:
+    """``(ancillary space, MSG_CMSG_CLOEXEC, MSG_CTRUNC, SOL_SOCKET, SCM_RIGHTS)``, or zeros."""
+    try:
+        import socket
+
+        return (
+            socket.CMSG_SPACE(_FDS_PER_READ * 4),
+            socket.MSG_CMSG_CLOEXEC,
+            socket.MSG_CTRUNC,
+            socket.SOL_SOCKET,
+            socket.SCM_RIGHTS,
+        )
+    except (ImportError, AttributeError):  # no descriptor passing here: never used
+        return 0, 0, 0, 0, 0
+
+
+_ANCILLARY_SPACE, _CLOEXEC, _CTRUNC, _SOL_SOCKET, _SCM_RIGHTS = _socket_constants()
 
 
 class ChildEnd:
@@ -264,17 +352,27 @@ class FrameReader:
             (the outcome frame, whose size only the rank's result bounds).
     """
 
-    def __init__(self, sizes: dict[int, tuple[int, int | None]] | None = None) -> None:
+    def __init__(
+        self, sizes: dict[int, tuple[int, int | None]] | None = None, shared: bool = False
+    ) -> None:
         self._sizes = sizes
+        self._shared = shared
         self._header = bytearray()
         self._kind: int | None = None
         self._size = 0
         self._payload = bytearray()
+        #: Descriptors received with this frame's bytes (-1: some were refused).
+        self._fds: list[int] = []
 
     @property
     def complete(self) -> bool:
         """True once the whole frame has been fed."""
         return self._kind is not None and len(self._payload) >= self._size
+
+    @property
+    def at_header(self) -> bool:
+        """True while the header is incomplete: the frame's descriptor comes with it."""
+        return self._kind is None
 
     @property
     def wanted(self) -> int:
@@ -303,8 +401,25 @@ class FrameReader:
             self._kind, self._size = kind, size
         self._payload += view
 
+    def add_fds(self, fds: list[int]) -> None:
+        """Descriptors that came with this frame's bytes; the reader closes them."""
+        self._fds.extend(fds)
+
+    def discard(self) -> None:
+        """Close the descriptors of a frame that will never complete (the stream ended)."""
+        fds, self._fds = self._fds, []
+        for fd in fds:
+            if fd >= 0:
+                os.close(fd)
+
     def _check(self, kind: int, size: int) -> None:
         assert self._sizes is not None
+        base = kind & ~SHARED
+        if kind & SHARED and self._shared and base in SHARED_KINDS and base in self._sizes:
+            start = SHARED_KINDS[base]
+            if size < start + LAYOUT.size:
+                raise FrameError(f"a shared frame of {size} bytes, too short for its layout")
+            kind = base
         bounds = self._sizes.get(kind)
         if bounds is None:
             raise FrameError(
@@ -335,6 +450,65 @@ class FrameReader:
             return None
         assert self._kind is not None
         return self._kind, self._payload
+
+    def shared_frame(self) -> tuple[int, Payload] | None:
+        """:meth:`frame`, for a reader that takes descriptors (``shared``).
+
+        A shared frame's payload is a ``buffers.Mapped`` (its memfd mapped,
+        its descriptor closed), and its kind loses the ``SHARED`` flag.
+
+        Raises:
+            FrameError: A shared frame without a descriptor (or with a layout
+                or memfd a sender does not make), or a frame with one it
+                should not have. Every descriptor that came is closed.
+        """
+        if not self.complete:
+            return None
+        kind = self._kind
+        assert kind is not None
+        fds, self._fds = self._fds, []
+        if not kind & SHARED:
+            if fds:
+                self._fds = fds
+                self.discard()
+                raise FrameError(f"a {_name(kind)} frame that came with a descriptor")
+            return kind, self._payload
+        try:
+            if len(fds) != 1 or fds[0] < 0:
+                count = "too many" if -1 in fds else len(fds)
+                raise FrameError(
+                    f"a shared {_name(kind & ~SHARED)} frame that came with {count}"
+                    " descriptor(s), not one"
+                )
+            try:
+                mapped = map_shared(self._payload, SHARED_KINDS[kind & ~SHARED], fds[0])
+            except (ValueError, OSError) as exc:
+                raise FrameError(f"a broken shared {_name(kind & ~SHARED)} frame: {exc}") from None
+        finally:
+            self._fds = fds
+            self.discard()
+        return kind & ~SHARED, mapped
+
+
+def _name(kind: int) -> str:
+    return _LINK_NAMES.get(kind, f"kind {kind}")
+
+
+#: What a frame's payload is: the reader's buffer, or a shared frame's mapping.
+Payload = bytes | bytearray | Mapped
+
+
+def call_id_of(payload: Payload) -> int:
+    """The call id a CALL or REPLY payload starts with."""
+    data = payload.pickle if isinstance(payload, Mapped) else payload
+    return int(CALL_ID.unpack_from(data)[0])
+
+
+def after_call_id(payload: Payload) -> bytes | memoryview | Mapped:
+    """The pickle of a CALL or REPLY payload, past its call id (no copy of a large one)."""
+    if isinstance(payload, Mapped):
+        return payload.after(CALL_ID.size)
+    return memoryview(payload)[CALL_ID.size :]
 
 
 #: ``(kind, payload, exit_code)``: the frame a rank sends, and the exit code it then

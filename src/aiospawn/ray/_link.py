@@ -38,6 +38,9 @@ class RayLink:
     the rank's ``run()`` future.
     """
 
+    #: Frames carry no memfds: the board moves bytes (large buffers stay in the pickle).
+    shares_memory = False
+
     def __init__(self, board: Any, token: str, key: str) -> None:
         self._board, self._token, self._key = board, token, key
         self._poke_soon = threadsafe(self._poke)
@@ -133,8 +136,9 @@ class RayLink:
 
     # ------------------------------------------------------------- outgoing
 
-    def queue_frame(self, kind: int, payload: bytes) -> None:
+    def queue_frame(self, kind: int, payload: bytes, fd: int = -1) -> None:
         """Add a frame, whole, to the outgoing queue (in chunks of at most ``CHUNK`` bytes)."""
+        assert fd < 0, "a Ray rank's frames carry no descriptors"
         view = memoryview(payload)
         first = CHUNK - HEADER.size
         self._out.append(HEADER.pack(kind, len(payload)) + bytes(view[:first]))

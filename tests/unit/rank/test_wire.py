@@ -6,10 +6,13 @@ out of its kind's range, is refused at the header, before any of its payload.
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from aiospawn._rank import buffers
 from aiospawn._rank.wire import (
     CALL_ID,
     FROM_RANK,
@@ -182,3 +185,93 @@ def test_a_sender_refuses_a_payload_beyond_the_limit() -> None:
     check_size(MAX_FRAME_BYTES)
     with pytest.raises(ValueError, match=f"more than a channel frame carries \\({MAX_FRAME_BYTES}"):
         check_size(MAX_FRAME_BYTES + 1)
+
+
+# --- frames whose buffers are in a memfd (``_rank.buffers``) -------------------------------
+
+
+def _open_fds() -> set[int]:
+    import os
+
+    return {int(name) for name in os.listdir("/proc/self/fd")}
+
+
+def _read_shared(kind: int, payload: bytes, fds: list[int]) -> object:
+    reader = FrameReader(FROM_RANK, shared=True)
+    reader.add_fds(fds)
+    reader.feed(header(kind, len(payload)) + payload)
+    return reader.shared_frame()
+
+
+@pytest.mark.skipif(not buffers.AVAILABLE, reason="memfds and SCM_RIGHTS are Linux's")
+def test_a_shared_frame_maps_its_memfd_and_closes_its_descriptor() -> None:
+    data = bytearray(range(256)) * 8192  # 2 MiB: out of band
+    packed = buffers.dumps(pickle.PickleBuffer(data), shared=True)
+    before = _open_fds()
+    frame = _read_shared(Link.MESSAGE | packed.flag, packed.body, [packed.fd])
+    assert isinstance(frame, tuple)
+    kind, mapped = frame
+    assert kind == Link.MESSAGE
+    assert isinstance(mapped, buffers.Mapped)
+    assert bytes(buffers.loads(mapped)) == bytes(data)
+    assert _open_fds() <= before  # no descriptor kept for the mapping
+    import os
+
+    with pytest.raises(OSError, match="Bad file descriptor"):
+        os.fstat(packed.fd)  # the reader closed the one it was given
+    packed.fd = -1
+
+
+@pytest.mark.skipif(not buffers.AVAILABLE, reason="memfds and SCM_RIGHTS are Linux's")
+@pytest.mark.parametrize(
+    ("fds", "says"),
+    [
+        ("none", "came with 0 descriptor(s), not one"),
+        ("two", "came with 2 descriptor(s), not one"),
+        ("cut short", "came with too many descriptor(s)"),
+        ("pipe", "not a sealed memfd"),
+    ],
+)
+def test_a_shared_frame_with_the_wrong_descriptors_is_refused_and_they_are_closed(
+    fds: str, says: str
+) -> None:
+    import os
+
+    packed = buffers.dumps(pickle.PickleBuffer(bytearray(2 << 20)), shared=True)
+    if fds == "pipe":
+        read, write = os.pipe()
+        os.close(write)
+    given = {
+        "none": list,
+        "two": lambda: [packed.fd, os.dup(packed.fd)],
+        "cut short": lambda: [packed.fd, -1],
+        "pipe": lambda: [read],
+    }[fds]()
+    with pytest.raises(FrameError, match=says.replace("(", r"\(").replace(")", r"\)")):
+        _read_shared(Link.MESSAGE | buffers.SHARED, packed.body, given)
+    for fd in given:
+        if fd >= 0:
+            with pytest.raises(OSError, match="Bad file descriptor"):
+                os.fstat(fd)
+    if fds in ("none", "pipe"):
+        packed.close()
+    else:
+        packed.fd = -1
+
+
+@pytest.mark.skipif(not buffers.AVAILABLE, reason="memfds and SCM_RIGHTS are Linux's")
+def test_a_plain_frame_with_a_descriptor_is_refused() -> None:
+    import os
+
+    read, write = os.pipe()
+    os.close(write)
+    with pytest.raises(FrameError, match="a MESSAGE frame that came with a descriptor"):
+        _read_shared(Link.MESSAGE, pickle.dumps("x"), [read])
+    with pytest.raises(OSError, match="Bad file descriptor"):
+        os.fstat(read)
+
+
+def test_a_shared_flag_is_an_unknown_kind_to_a_reader_that_takes_no_descriptors() -> None:
+    reader = FrameReader(FROM_RANK)
+    with pytest.raises(FrameError, match="unknown kind 129"):
+        reader.feed(header(Link.MESSAGE | buffers.SHARED, 100))

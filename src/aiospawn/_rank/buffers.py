@@ -1,0 +1,399 @@
+"""Large buffers through shared memory: written once into a memfd, mapped by the receiver.
+
+A message is pickled once, with protocol 5. Its out-of-band buffers (a numpy
+array's data, a ``bytearray``, a ``pickle.PickleBuffer``, a CPU tensor's
+bytes) of :data:`SHARED_BYTES` or more are not copied into the pickle: they
+are written, one after another, into an anonymous memfd, sealed so that nobody
+can change or shrink it afterwards, and the frame that carries the pickle
+carries the memfd's descriptor too (``SCM_RIGHTS`` over the rank's Unix
+socket). The receiver maps the memfd privately (copy-on-write) and unpickles
+with slices of the mapping as the buffers::
+
+    sender:   pickle ─┬─► frame: kind|SHARED, [call id], layout, pickle ──┐
+                      └─► memfd (buffers, sealed) ── fd ─► SCM_RIGHTS ────┤
+    receiver: recvmsg ─► frame + fd ─► mmap(MAP_PRIVATE) ─► pickle.loads(buffers=slices)
+
+The layout (:data:`LAYOUT`, then one :data:`SPAN` per buffer) says where each
+buffer lies in the memfd. Smaller buffers, and every buffer where memfds or
+descriptor passing are missing (not Linux, the Ray backend), stay in the
+pickle as before.
+
+Value semantics: the receiver's mapping is private and the memfd is sealed
+against writes, so neither side ever sees the other's later writes; the
+receiver may write to what it got (its pages are copied as it writes them).
+The memory is the kernel's until the last descriptor and the last mapping go:
+the sender closes its descriptors once the frame is written, the receiver as
+soon as it has mapped the memfd, and the mapping goes with the last object
+that uses it. Nothing has a name, so nothing outlives both processes.
+
+Torch CPU tensors (only if the program imported torch: this module never
+does) are pickled by :func:`_reduce_tensor` as their bytes, an out-of-band
+buffer, and rebuilt with ``torch.frombuffer``; anything else keeps torch's
+own pickling.
+
+Part of the rank-side package: standard library only.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import struct
+import sys
+
+# For the checker only: a rank never imports typing (the package's import rule).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+#: An out-of-band buffer this large or larger travels through shared memory;
+#: smaller ones are copied into the pickle, which costs less than a memfd's
+#: set-up and its page faults.
+SHARED_BYTES = 1 << 20
+
+#: The flag in a frame's kind byte that says its payload holds a layout and
+#: its descriptor carries the memfd.
+SHARED = 0x80
+
+#: A shared frame's layout: the number of buffers ...
+LAYOUT = struct.Struct("!I")
+#: ... then, for each, its offset in the memfd and its size in bytes.
+SPAN = struct.Struct("!QQ")
+#: The most buffers one message may name: it bounds what a layout makes a receiver build.
+MAX_BUFFERS = 1 << 16
+
+#: Each buffer starts at a multiple of this, so that any dtype is aligned.
+_ALIGN = 64
+
+
+def _available() -> bool:
+    if not sys.platform.startswith("linux") or not hasattr(os, "memfd_create"):
+        return False
+    import socket
+
+    return hasattr(socket, "SCM_RIGHTS") and hasattr(socket, "MSG_CMSG_CLOEXEC")
+
+
+#: True where memfds and descriptor passing exist (Linux).
+AVAILABLE = _available()
+
+
+class Packed:
+    """A message ready for a frame: its body, and the memfd its buffers are in, if any.
+
+    The holder closes :attr:`fd` (:meth:`close`) once the frame is queued: a
+    queue keeps a copy of its own.
+    """
+
+    __slots__ = ("body", "fd")
+
+    def __init__(self, body: bytes, fd: int = -1) -> None:
+        #: The layout and the pickle, or the pickle alone when ``fd`` is -1.
+        self.body = body
+        #: The memfd, or -1.
+        self.fd = fd
+
+    @property
+    def flag(self) -> int:
+        """:data:`SHARED` if the body holds a layout, else 0."""
+        return SHARED if self.fd >= 0 else 0
+
+    def prefixed(self, prefix: bytes) -> Packed:
+        """The same message behind ``prefix`` (a call id); this one gives up its memfd."""
+        packed = Packed(prefix + self.body, self.fd)
+        self.fd = -1
+        return packed
+
+    def close(self) -> None:
+        """Close the memfd; idempotent."""
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+
+class Mapped:
+    """A received pickle and the buffers it names: slices of a private mapping of the memfd.
+
+    What a reader makes of a shared frame (``wire.FrameReader``): its
+    ``len()`` counts the mapped bytes too, for the bounds on what waits.
+    """
+
+    __slots__ = ("buffers", "nbytes", "pickle")
+
+    def __init__(self, pickle: bytes, buffers: list[memoryview]) -> None:
+        #: The frame's payload without its layout (a call id first, if it had one).
+        self.pickle = pickle
+        self.buffers = buffers
+        self.nbytes = len(pickle) + sum(buffer.nbytes for buffer in buffers)
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def after(self, size: int) -> Mapped:
+        """The same buffers behind the pickle less its first ``size`` bytes (its call id)."""
+        return Mapped(self.pickle[size:], self.buffers)
+
+
+class _Collect:
+    """A pickler's ``buffer_callback``: keeps the large buffers out of band, in ``large``."""
+
+    __slots__ = ("large",)
+
+    def __init__(self, large: list[memoryview]) -> None:
+        self.large = large
+
+    def __call__(self, buffer: pickle.PickleBuffer) -> bool:
+        # True keeps the buffer in the pickle. raw() refuses a non-contiguous
+        # buffer: pickle then raises its own error for it.
+        try:
+            view = buffer.raw()
+        except BufferError:
+            return True
+        if view.nbytes < SHARED_BYTES:
+            return True
+        self.large.append(view)
+        return False
+
+
+def pickler(file: Any, large: list[memoryview] | None) -> pickle.Pickler:
+    """A protocol-5 pickler into ``file``; ``large`` collects the buffers to share.
+
+    With ``large`` None every buffer stays in the pickle. Tensors are reduced
+    by :func:`_reduce_tensor` if torch is imported.
+    """
+    callback = None if large is None else _Collect(large)
+    kind = _TensorPickler if "torch" in sys.modules else pickle.Pickler
+    return kind(file, protocol=5, buffer_callback=callback)
+
+
+def dumps(obj: Any, shared: bool) -> Packed:
+    """Pickle ``obj`` once; with ``shared``, its large buffers go into a memfd.
+
+    Raises:
+        BaseException: Whatever pickling ``obj`` raised.
+        OSError: The memfd could not be made (out of memory).
+    """
+    large: list[memoryview] | None = [] if shared else None
+    body = pickle_body(obj, large)
+    if not large:
+        return Packed(body)
+    return pack(body, large)
+
+
+def pickle_body(obj: Any, large: list[memoryview] | None) -> bytes:
+    """Pickle ``obj`` as :func:`pickler` does, its large buffers into ``large``.
+
+    Raises:
+        BaseException: Whatever pickling ``obj`` raised.
+    """
+    if "torch" in sys.modules:
+        out = io.BytesIO()
+        pickler(out, large).dump(obj)
+        return out.getvalue()
+    # The C function: no file object to call (a small message's cost halves).
+    callback = None if large is None else _Collect(large)
+    return pickle.dumps(obj, protocol=5, buffer_callback=callback)
+
+
+def pack(body: bytes, large: list[memoryview]) -> Packed:
+    """Write ``large`` into a new sealed memfd; return the layout and ``body`` with it.
+
+    Raises:
+        OSError: The memfd could not be made or filled (out of memory).
+    """
+    import fcntl
+
+    spans = []
+    end = 0
+    for view in large:
+        spans.append((end, view.nbytes))
+        end += -(-view.nbytes // _ALIGN) * _ALIGN
+    fd = os.memfd_create("aiospawn", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, end)
+        for (offset, size), view in zip(spans, large, strict=True):
+            written = 0
+            while written < size:  # a write is capped (at 2 GiB on Linux)
+                written += os.pwrite(fd, view[written:], offset + written)
+        # Sealed: no writes (value semantics), and no shrinking, which would
+        # turn the receiver's reads past the new end into SIGBUS.
+        fcntl.fcntl(
+            fd,
+            fcntl.F_ADD_SEALS,
+            fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL,
+        )
+    except BaseException:
+        os.close(fd)
+        raise
+    layout = [LAYOUT.pack(len(spans))]
+    layout.extend(SPAN.pack(offset, size) for offset, size in spans)
+    return Packed(b"".join(layout) + body, fd)
+
+
+def layout_size(payload: bytes | bytearray, start: int) -> int:
+    """The size of the layout at ``payload[start:]``; 0 if it does not fit (a broken frame)."""
+    if len(payload) < start + LAYOUT.size:
+        return 0
+    (count,) = LAYOUT.unpack_from(payload, start)
+    size = LAYOUT.size + count * SPAN.size
+    return size if count <= MAX_BUFFERS and len(payload) >= start + size else 0
+
+
+def map_shared(payload: bytes | bytearray, start: int, fd: int) -> Mapped:
+    """Map the memfd ``fd`` of a shared frame's ``payload``, whose layout is at ``start``.
+
+    Closes nothing: the caller closes ``fd`` (the mapping does not need it).
+
+    Raises:
+        ValueError: The layout or the memfd is not what a sender makes (not
+            sealed, smaller than the layout says): the frame breaks the format.
+    """
+    import fcntl
+
+    size = layout_size(payload, start)
+    if not size:
+        raise ValueError("a shared frame whose layout is cut short or names too many buffers")
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        seals = 0
+    wanted = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_WRITE
+    if seals & wanted != wanted:
+        raise ValueError("a shared frame whose descriptor is not a sealed memfd")
+    length = os.fstat(fd).st_size
+    (count,) = LAYOUT.unpack_from(payload, start)
+    spans = [SPAN.unpack_from(payload, start + LAYOUT.size + i * SPAN.size) for i in range(count)]
+    for offset, span in spans:
+        if offset + span > length:
+            raise ValueError(
+                f"a shared frame names bytes {offset}-{offset + span} of a {length}-byte memfd"
+            )
+    rest = bytes(payload[:start]) + bytes(payload[start + size :])
+    if length == 0:
+        return Mapped(rest, [memoryview(bytearray()) for _ in spans])
+    whole = _map_private(fd, length)
+    return Mapped(rest, [whole[offset : offset + span] for offset, span in spans])
+
+
+def _map_private(fd: int, length: int) -> memoryview:
+    """A private, writable mapping of ``length`` bytes of ``fd``, unmapped when its last view goes.
+
+    Private: the receiver may write to what it got, and its pages are copied
+    as it does; the seal keeps the sender's later writes out. Not through
+    ``mmap.mmap``, which keeps a duplicate of the descriptor for as long as
+    the mapping lives (before Python 3.13's ``trackfd``): a process holding
+    many received arrays would run out of descriptors.
+    """
+    import ctypes
+    import mmap
+    import weakref
+
+    libc = _libc()
+    address = libc.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE, fd, 0)
+    if address is None or address == ctypes.c_void_p(-1).value:
+        error = ctypes.get_errno()
+        raise OSError(error, f"cannot map the memfd: {os.strerror(error)}")
+    memory = (ctypes.c_char * length).from_address(address)
+    weakref.finalize(memory, libc.munmap, ctypes.c_void_p(address), ctypes.c_size_t(length))
+    return memoryview(memory).cast("B")
+
+
+_LIBC: Any = None
+
+
+def _libc() -> Any:
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_long,
+        ]
+        libc.munmap.restype = ctypes.c_int
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        _LIBC = libc
+    return _LIBC
+
+
+def loads(payload: bytes | bytearray | memoryview | Mapped) -> Any:
+    """Unpickle a frame's pickle, with its mapped buffers if it has any."""
+    if isinstance(payload, Mapped):
+        return pickle.loads(payload.pickle, buffers=payload.buffers)
+    return pickle.loads(payload)
+
+
+class _TensorPickler(pickle.Pickler):
+    """A pickler that sends a dense CPU tensor's bytes as a buffer (torch is imported)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        torch = sys.modules.get("torch")
+        if torch is None or type(obj) is not getattr(torch, "Tensor", None):
+            return NotImplemented
+        return _reduce_tensor(obj)
+
+
+def _reduce_tensor(tensor: Any) -> Any:
+    """``(rebuild, args)`` for a plain dense CPU tensor, else NotImplemented (torch's own).
+
+    Torch pickles a tensor through ``torch.save``'s machinery, copying its
+    storage in band. Here its bytes (the span its strides cover, from its
+    first element) become one out-of-band buffer, shared when large.
+    Subclasses (``Parameter``), other devices and layouts, quantized, nested,
+    conjugated or negated views, non-leaf tensors that need grad and tensors
+    with attributes of their own keep torch's pickling, which knows them.
+    """
+    import ctypes
+
+    try:
+        if (
+            tensor.device.type != "cpu"
+            or tensor.layout is not sys.modules["torch"].strided
+            or tensor.is_quantized
+            or tensor.is_nested
+            or tensor.is_conj()
+            or tensor.is_neg()
+            or tensor.grad_fn is not None
+            or tensor.__dict__
+        ):
+            return NotImplemented
+        shape = tuple(tensor.shape)
+        stride = tuple(tensor.stride())
+    except Exception:  # a tensor that is not what it seems (a mock, a future kind)
+        return NotImplemented
+    if any(step < 0 for step in stride):
+        return NotImplemented
+    if tensor.numel() == 0:
+        return _rebuild_tensor, (b"", tensor.dtype, shape, stride, tensor.requires_grad)
+    span = 1 + sum((size - 1) * step for size, step in zip(shape, stride, strict=True))
+    memory = (ctypes.c_char * (span * tensor.element_size())).from_address(tensor.data_ptr())
+    memory._tensor = tensor  # the memory lives while the view does
+    return _rebuild_tensor, (
+        pickle.PickleBuffer(memory),
+        tensor.dtype,
+        shape,
+        stride,
+        tensor.requires_grad,
+    )
+
+
+def _rebuild_tensor(
+    data: Any, dtype: Any, shape: tuple[int, ...], stride: tuple[int, ...], requires_grad: bool
+) -> Any:
+    """The tensor :func:`_reduce_tensor` took apart, over ``data`` (no copy)."""
+    import torch
+
+    if memoryview(data).nbytes == 0:
+        tensor = torch.empty_strided(shape, stride, dtype=dtype)
+    else:
+        tensor = torch.frombuffer(data, dtype=dtype).as_strided(shape, stride)
+    if requires_grad:
+        tensor.requires_grad_()
+    return tensor

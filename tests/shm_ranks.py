@@ -1,0 +1,126 @@
+"""Ranks for test_shared_memory: large buffers that travel through a memfd, both ways.
+
+Each is called as ``fn(rank, *args)``; importable, so that spawn and
+forkserver ranks reach them. A rank says how many mappings of aiospawn's
+memfds it holds (:func:`memfd_maps`), which is how a test sees that what it
+sent was mapped and not copied.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import os
+import pickle
+import socket
+import sys
+import time
+from typing import Any
+
+import aiospawn
+
+
+def memfd_maps() -> list[str]:
+    """This process's mappings of aiospawn's memfds (``/proc/self/maps`` lines)."""
+    with open("/proc/self/maps") as maps:
+        return [line for line in maps if "/memfd:aiospawn" in line]
+
+
+def memfd_inodes() -> set[int]:
+    """The inodes of the memfds this process maps: one per memfd."""
+    return {int(line.split()[4]) for line in memfd_maps()}
+
+
+def sendable(value: Any) -> Any:
+    """``value``, a memoryview (what a large PickleBuffer arrives as) as a PickleBuffer."""
+    return pickle.PickleBuffer(value) if isinstance(value, memoryview) else value
+
+
+class Handler:
+    """Calls that take and return large buffers."""
+
+    def __init__(self) -> None:
+        self.kept: Any = None
+
+    def echo(self, value: Any) -> tuple[int, Any]:
+        """``value`` back, and how many memfd mappings this rank held with it."""
+        return len(memfd_maps()), sendable(value)
+
+    def inodes(self, value: Any) -> list[int]:
+        """The memfds mapped here while ``value`` lives (one, if it came in one)."""
+        del value  # held by the caller's frame until the answer is made
+        return sorted(memfd_inodes())
+
+    def keep(self, value: Any) -> Any:
+        """Keep ``value``, write -1 into its first element, and return it."""
+        self.kept = value
+        value[0] = -1
+        return value
+
+    def peek(self) -> Any:
+        """The first two elements of what was kept, copied."""
+        return self.kept[:2].copy()
+
+
+def echo(rank: int) -> None:
+    """Send back ``(maps held, message)`` for every message; then serve :class:`Handler`."""
+    channel = aiospawn.channel()
+    for message in channel:
+        if isinstance(message, str) and message == "serve":
+            break
+        channel.send((len(memfd_maps()), sendable(message)))
+    aiospawn.serve(Handler())
+
+
+async def echo_async(rank: int) -> None:
+    channel = aiospawn.channel()
+    async for message in channel:
+        if isinstance(message, str) and message == "serve":
+            break
+        await channel.send((len(memfd_maps()), sendable(message)))
+    await aiospawn.serve(Handler())
+
+
+def bad_frame(rank: int, how: str) -> None:
+    """Say ready; rank 0 writes a shared MESSAGE frame that breaks the format (``how``); wait.
+
+    ``"no fd"``: the frame comes without its descriptor. ``"pipe"``: with a
+    pipe's, not a sealed memfd. ``"extra fd"``: a plain MESSAGE frame with a
+    descriptor. ``"bad layout"``: a sealed memfd smaller than the layout says.
+    """
+    from aiospawn._rank import buffers
+    from aiospawn._rank.wire import HEADER, Link
+
+    aiospawn.ready()
+    if rank != 0:
+        while True:
+            time.sleep(60)
+    fd = aiospawn.channel()._frames.fd
+    body = pickle.dumps("x")
+    layout = buffers.LAYOUT.pack(1) + buffers.SPAN.pack(0, 1 << 20)
+    passed: list[int] = []
+    kind = Link.MESSAGE | buffers.SHARED
+    if how == "pipe":
+        passed = [os.pipe()[0]]
+    elif how == "extra fd":
+        kind = Link.MESSAGE
+        layout = b""
+        passed = [os.pipe()[0]]
+    elif how == "bad layout":
+        passed = [buffers.pack(b"", [memoryview(b"y" * 4096)]).fd]
+    frame = HEADER.pack(kind, len(layout) + len(body)) + layout + body
+    sock = socket.socket(fileno=fd)
+    sock.setblocking(True)
+    with contextlib.suppress(OSError):
+        if passed:
+            rights = array.array("i", passed)
+            sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, rights)])
+        else:
+            sock.sendall(frame)
+    sock.detach()
+    while True:
+        time.sleep(60)
+
+
+def is_torch_loaded(rank: int) -> bool:
+    return "torch" in sys.modules
