@@ -212,14 +212,43 @@ class Round:
         except (RuntimeError, OSError, ValueError):  # not in time, or the store is gone
             return None
 
-    def finish(self) -> bool:
-        """Count this node's ranks as done; whether every node's are."""
-        return int(self.store.add("done", 1)) >= self.nodes
+    def finish(self) -> None:
+        """Count this node's ranks as done; the last node to do so says every node's are."""
+        if int(self.store.add("done", 1)) >= self.nodes:
+            self.store.set("done/all", "1")
 
-    def all_done(self) -> bool:
-        """Whether every node's ranks have succeeded (a store gone counts as yes: see below)."""
+    def done_or_end(self, timeout: float) -> dict[str, Any] | None:
+        """Wait up to ``timeout`` s for every node's ranks to be done; the end record if one came.
+
+        Returns ``{"kind": "done"}`` when every node's ranks succeeded, an end
+        record, or None when neither came in time.
+        """
+        from datetime import timedelta
+
+        ending = self.poll()
+        if ending is not None:
+            return ending
         try:
-            return int(self.store.add("done", 0)) >= self.nodes
-        except (RuntimeError, OSError):
-            # The store's node leaves only once every node counted itself done.
-            return True
+            self.store.wait(["done/all"], timedelta(seconds=timeout))
+        except RuntimeError:  # not yet (torch's DistStoreError)
+            return None
+        return {"kind": "done"}
+
+    def leave(self, timeout: float) -> None:
+        """Wait (up to ``timeout`` s) until every node is leaving, then let this one go.
+
+        The node that holds the store must outlive every other node's last
+        call to it: the end record, the failed node's error, torch's own
+        shutdown of the rendezvous. Once every node has counted itself here,
+        no node calls the store again. A node that is gone is waited for no
+        longer than ``timeout``.
+        """
+        from datetime import timedelta
+
+        try:
+            if int(self.store.add("left", 1)) >= self.nodes:
+                self.store.set("left/all", "1")
+            else:
+                self.store.wait(["left/all"], timedelta(seconds=timeout))
+        except RuntimeError:  # a node did not come, or the store is gone: leave anyway
+            pass

@@ -58,6 +58,13 @@ POLL = 0.2
 #: How long a launcher gives torch's rendezvous to record that it left (seconds).
 CLOSE_WAIT = 5.0
 
+#: How long a node waits at the end for the others to be leaving too (seconds).
+LEAVE_WAIT = 10.0
+
+#: How long one wait for every node's ranks to be done lasts before the end
+#: record is read again (seconds).
+DONE_WAIT = 1.0
+
 #: How long a node waits for the failed node's error (its error file's content).
 ERROR_WAIT = 5.0
 
@@ -151,9 +158,13 @@ async def _rounds(plan: Plan, node: _Node, error_files: str) -> int:
             return _finish(plan, node, ending, error_files)
     finally:
         # Bounded: a store that is gone may not answer at all.
-        with anyio.CancelScope(shield=True) as closing, contextlib.suppress(Exception):
-            closing.deadline = anyio.current_time() + CLOSE_WAIT
-            await off_loop(rendezvous.close)
+        with anyio.CancelScope(shield=True) as closing:
+            closing.deadline = anyio.current_time() + CLOSE_WAIT + LEAVE_WAIT
+            with contextlib.suppress(Exception):
+                await off_loop(rendezvous.close)
+            if node.round is not None:
+                with contextlib.suppress(Exception):
+                    await off_loop(node.round.leave, LEAVE_WAIT)
 
 
 async def _round(plan: Plan, node: _Node, current: Round, error_files: str) -> dict[str, Any]:
@@ -241,16 +252,15 @@ async def _round(plan: Plan, node: _Node, current: Round, error_files: str) -> d
         if first.get("kind") == "failure" and first.get("node") != current.node:
             first["error"] = await off_loop(current.error, ERROR_WAIT)
         return first
-    # Every rank here succeeded: wait for the others before leaving.
-    all_done = await off_loop(current.finish)
-    while not all_done:
-        ending = await off_loop(current.poll)
-        if ending is not None and ending.get("node") is not None:
+    # Every rank here succeeded: wait for the others, or another node's end.
+    try:
+        await off_loop(current.finish)
+    except (RuntimeError, OSError):
+        return {"kind": "done"}  # the store is gone: no one is left to wait for
+    while True:
+        ending = await off_loop(current.done_or_end, DONE_WAIT)
+        if ending is not None:
             return ending
-        all_done = await off_loop(current.all_done)
-        if not all_done:
-            await anyio.sleep(POLL)
-    return {"kind": "done"}
 
 
 async def off_loop(fn: Callable[..., T], *args: Any) -> T:
