@@ -7,7 +7,9 @@ status 3 after the first all-reduce (``--fail-once``: only in the first round,
 ``TORCHELASTIC_RESTART_COUNT=0``); the other ranks then print ``waiting PID``
 and sit in a second all-reduce that rank R never joins, as a job's ranks do
 when a peer dies. ``--hang``: every rank prints ``waiting PID`` and sits in
-that all-reduce after the first.
+that all-reduce after the first. ``--wait sleep``: the waiting is a sleep
+instead, which no peer's death ends (as an NCCL collective's often does not):
+only the launcher can stop such a rank.
 """
 
 import argparse
@@ -15,6 +17,7 @@ import datetime
 import json
 import os
 import sys
+import threading
 
 import torch
 import torch.distributed as dist
@@ -44,6 +47,7 @@ if __name__ == "__main__":
     parser.add_argument("--fail-rank", type=int, default=None)
     parser.add_argument("--fail-once", action="store_true")
     parser.add_argument("--hang", action="store_true")
+    parser.add_argument("--wait", choices=("collective", "sleep"), default="collective")
     options = parser.parse_args()
     # Long enough that a collective's own timeout never ends a test's wait.
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
@@ -51,12 +55,15 @@ if __name__ == "__main__":
     value = torch.tensor([float(rank)])
     dist.all_reduce(value)
     env = {name: os.environ.get(name) for name in NAMES}
-    print(json.dumps({"sum": int(value.item()), "env": env}), flush=True)
+    # One write each, so that lines of ranks sharing a pipe (torchrun's) never mix.
+    os.write(1, (json.dumps({"sum": int(value.item()), "env": env}) + "\n").encode())
     first_round = os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"
     failing = options.fail_rank == rank and (first_round or not options.fail_once)
     if failing:
         sys.exit(3)
     if options.hang or (options.fail_rank is not None and (first_round or not options.fail_once)):
-        print(f"waiting {os.getpid()}", flush=True)
+        os.write(1, f"waiting {os.getpid()}\n".encode())
+        if options.wait == "sleep":
+            threading.Event().wait()
         dist.all_reduce(value)
     dist.destroy_process_group()

@@ -62,6 +62,7 @@ class Rendezvous:
             **nodes.config,
         )
         self._handler = registry.get_rendezvous_handler(parameters)
+        self._worker_store: Any = None
 
     def join(self, restart: int, local_world_size: int) -> Round:
         """Join the next round (blocks until enough nodes have joined); return this node's place.
@@ -87,6 +88,9 @@ class Rendezvous:
         bootstrap = info.bootstrap_store_info
         if bootstrap is None:  # torch's static and c10d handlers always give one
             raise RuntimeError(f"torch's {self.nodes.backend} rendezvous named no master address")
+        master_addr, master_port = str(bootstrap.master_addr), int(bootstrap.master_port)
+        if restart:
+            master_port = self._fresh_worker_store(store, node, restart)
         return Round(
             store=store,
             node=node,
@@ -98,12 +102,37 @@ class Rendezvous:
             base_role_rank=sum(size for role, size in before if role == self.role),
             role_world_size=sum(size for role, size in roles if role == self.role),
             role=self.role,
-            master_addr=str(bootstrap.master_addr),
-            master_port=int(bootstrap.master_port),
+            master_addr=master_addr,
+            master_port=master_port,
             use_agent_store=bool(self._handler.use_agent_store),
             run_id=str(self._handler.get_run_id()),
             max_restarts=self.nodes.max_restarts,
         )
+
+    def _fresh_worker_store(self, store: Any, node: int, restart: int) -> int:
+        """A new store for the ranks of round ``restart``, on node 0; its port.
+
+        With TORCHELASTIC_USE_AGENT_STORE the ranks use the launcher's store
+        as it is, with no prefix per attempt (torch expects a new store for
+        every retry): the last round's keys are still there, and a rank of
+        this round could read a dead rank's address from them (measured: gloo's
+        "Connection refused" in the second round). Node 0 serves a new one.
+        """
+        from datetime import timedelta
+
+        from torch._C._distributed_c10d import TCPStore
+
+        if node == 0:
+            self._worker_store = TCPStore(
+                host_name="0.0.0.0",  # every address: the other nodes' ranks connect to it
+                port=0,
+                is_master=True,
+                wait_for_workers=False,
+                multi_tenant=True,
+                timeout=timedelta(seconds=float(self.nodes.config.get("timeout", 900))),
+            )
+            store.set("worker_store_port", str(self._worker_store.port))
+        return int(store.get("worker_store_port"))
 
     def close(self) -> None:
         """Tell the rendezvous this node leaves it for good, as torchrun's agent does at its end."""
