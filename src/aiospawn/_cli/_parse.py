@@ -119,7 +119,8 @@ def parser() -> tuple[argparse.ArgumentParser, frozenset[str]]:
         description="Run TARGET as N ranks, each in a process of its own, supervised by\n"
         "aiospawn: the first rank to fail stops the others, and the launcher's exit\n"
         "status is that rank's. torchrun's flags are accepted in its spellings\n"
-        "(--nproc_per_node, ...); its rendezvous flags are refused with the reason.",
+        "(--nproc_per_node, ...); with --nnodes above 1 this launcher is one node of\n"
+        "a job and joins torch's rendezvous, as torchrun does.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
