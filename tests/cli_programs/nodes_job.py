@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -60,6 +61,8 @@ if __name__ == "__main__":
     first_round = os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"
     failing = options.fail_rank == rank and (first_round or not options.fail_once)
     if failing:
+        # When it fails, for the benchmark's clock (one machine: one clock).
+        os.write(1, f"failing {os.getpid()} {time.time()!r}\n".encode())
         sys.exit(3)
     if options.hang or (options.fail_rank is not None and (first_round or not options.fail_once)):
         os.write(1, f"waiting {os.getpid()}\n".encode())

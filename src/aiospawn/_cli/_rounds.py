@@ -174,7 +174,18 @@ async def _round(plan: Plan, node: _Node, current: Round, error_files: str) -> d
     announced: dict[str, Any] = {}
     options = group_options(plan, error_files, current.environment)
     async with anyio.create_task_group() as tasks:
-        with node.phase():
+        ranks = node.phase()
+
+        async def watch() -> None:
+            # From before the ranks start: this node beats while they start
+            # (a --preload template may take a while), and another node's
+            # record stops them even part-way through their start.
+            record = await _watch(current)
+            remote.update(record)
+            ranks.cancel()
+
+        tasks.start_soon(watch)
+        with ranks:
             run.group = await aiospawn.start_processes(
                 plan.fn,
                 plan.args,
@@ -184,11 +195,6 @@ async def _round(plan: Plan, node: _Node, current: Round, error_files: str) -> d
                 **options,
             )
             group = run.group
-
-            async def watch() -> None:
-                record = await _watch(current)
-                remote.update(record)
-                await group.terminate()
 
             async def announce() -> None:
                 # The first failure goes out as the rank's exit is seen, not
@@ -212,7 +218,6 @@ async def _round(plan: Plan, node: _Node, current: Round, error_files: str) -> d
                 with contextlib.suppress(RuntimeError, OSError):
                     announced.update(await off_loop(current.end, record))
 
-            tasks.start_soon(watch)
             tasks.start_soon(announce)
             try:
                 await group.join()
