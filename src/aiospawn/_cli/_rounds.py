@@ -2,10 +2,11 @@
 
 Each node's launcher runs the same loop; one round::
 
-    join the rendezvous (worker thread) ──► this node's ranks, with torchrun's variables
-        │                                       (the local group, supervised as on one machine)
-        ├── watch (a task): every POLL s, in a worker thread, read the round's end
-        │   record and beat; another node's record stops the ranks here
+    join the rendezvous (a daemon thread) ──► this node's ranks, with torchrun's variables
+        │                                      (the local group, supervised as on one machine)
+        ├── watch (a task, from before the ranks start): every POLL s, in a daemon
+        │   thread, read the round's end record and beat; another node's record (or
+        │   a node whose beat stopped) stops the ranks here
         ├── a local rank fails ──► the group stops the others ──► write the failure as
         │   the round's end (the first written wins, on every node)
         ├── a signal here ──► write "stop" as the round's end, stop the ranks
