@@ -78,6 +78,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         # output is gone (a pipe to head); the ranks die with us.
         die_of_sigpipe_on_closed_output()
 
+        if plan.nodes is not None:
+            # One node of several: torch's rendezvous is imported on this path only.
+            from ._rounds import supervise_nodes
+
+            return anyio.run(supervise_nodes, plan, backend="asyncio")
         return anyio.run(supervise, plan, backend="asyncio")
     except KeyboardInterrupt:  # Ctrl-C before the signal handlers were in place
         return 130

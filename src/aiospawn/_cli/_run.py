@@ -35,10 +35,6 @@ __all__ = ["STOPPING", "group_options", "supervise"]
 
 async def supervise(plan: Plan) -> int:
     """Start the ranks, supervise them to the end, and report; return the exit status."""
-    if plan.nodes is not None:
-        from ._rounds import supervise_nodes
-
-        return await supervise_nodes(plan)
     # A warm template takes our environment when it starts, and imports the
     # preload with it: the thread counts the ranks get must be there already.
     os.environ.update(plan.template_env)
