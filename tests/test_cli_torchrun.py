@@ -449,8 +449,9 @@ def test_no_error_file_after_success(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("args", "words"),
     [
-        (["--nnodes", "2"], "--ray ADDRESS"),
-        (["--nnodes=1:4"], "no rendezvous"),
+        # More nodes join a rendezvous (tests/test_cli_nodes.py); these cannot.
+        (["--nnodes=1:4"], "its node count is fixed"),
+        (["--nnodes", "2", "--rdzv-backend", "etcd"], "use c10d"),
         (["--node_rank", "1"], "no rendezvous"),
         (["--rdzv-backend", "etcd"], "no rendezvous"),
         (["--rdzv_endpoint", "10.0.0.1:29400"], "no rendezvous"),

@@ -18,12 +18,17 @@ what each rank runs, found and checked) -> ``_run``
 (supervision and signals, with ``_status``, the live status line) -> ``_report``
 (the summary and the exit status) and ``_errorfile`` (torchrun's error file);
 ``_streams`` makes a closed output pipe end the launcher as it ends other tools.
+With ``--nnodes`` above 1 the launcher is one node of a job: ``_nodes``
+checks the rendezvous flags, ``_rendezvous`` joins torch's rendezvous and
+keeps the round's records in its store, ``_rounds`` runs the local ranks
+round after round and stops them when another node's record says so.
 What each rank runs lives in ``aiospawn._rank.programs``, which a rank imports
 instead of this package.
 
 Import rule: this package may import ``aiospawn`` (its public API), anyio, the
-standard library, ``aiospawn._core`` and ``aiospawn._rank``; nothing imports it
-but ``aiospawn.__main__`` and the ``aiospawn`` script.
+standard library, ``aiospawn._core`` and ``aiospawn._rank``, and torch in
+``_rendezvous`` alone, only on the multi-node path; nothing imports it but
+``aiospawn.__main__`` and the ``aiospawn`` script.
 """
 
 from __future__ import annotations
@@ -73,6 +78,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         # output is gone (a pipe to head); the ranks die with us.
         die_of_sigpipe_on_closed_output()
 
+        if plan.nodes is not None:
+            # One node of several: torch's rendezvous is imported on this path only.
+            from ._rounds import supervise_nodes
+
+            return anyio.run(supervise_nodes, plan, backend="asyncio")
         return anyio.run(supervise, plan, backend="asyncio")
     except KeyboardInterrupt:  # Ctrl-C before the signal handlers were in place
         return 130

@@ -119,7 +119,8 @@ def parser() -> tuple[argparse.ArgumentParser, frozenset[str]]:
         description="Run TARGET as N ranks, each in a process of its own, supervised by\n"
         "aiospawn: the first rank to fail stops the others, and the launcher's exit\n"
         "status is that rank's. torchrun's flags are accepted in its spellings\n"
-        "(--nproc_per_node, ...); its rendezvous flags are refused with the reason.",
+        "(--nproc_per_node, ...); with --nnodes above 1 this launcher is one node of\n"
+        "a job and joins torch's rendezvous, as torchrun does.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -131,7 +132,7 @@ def parser() -> tuple[argparse.ArgumentParser, frozenset[str]]:
         *spellings("-n", "--nprocs", "--nproc-per-node"),
         dest="nprocs",
         type=nprocs,
-        default=1,
+        default=None,
         metavar="N",
         help="number of ranks; 'cpu' for one per CPU, 'gpu' for one per visible GPU, 'auto'"
         " for one per visible GPU if there is any, else one per CPU (default: 1)",
@@ -177,9 +178,10 @@ def parser() -> tuple[argparse.ArgumentParser, frozenset[str]]:
     shutdown.add_argument(
         *spellings("--max-restarts"),
         type=count,
-        default=0,
+        default=None,
         metavar="N",
-        help="restart ranks when one fails, up to N times (default 0)",
+        help="restart ranks when one fails, up to N times (default 0); across nodes, a new"
+        " rendezvous round on every node",
     )
     shutdown.add_argument(
         "--restart-window",
@@ -336,13 +338,20 @@ def parser() -> tuple[argparse.ArgumentParser, frozenset[str]]:
 
     single = _Kept(
         run_parser.add_argument_group(
-            "torchrun's rendezvous (one machine, or --ray: accepted as they say so, else refused)"
+            "torchrun's rendezvous (several nodes: docs/cli-multinode.md; also read from PET_*)"
         ),
         kept,
     )
-    single.add_argument("--standalone", action="store_true", help="accepted: what aiospawn does")
-    for name, metavar in RENDEZVOUS_FLAGS:
-        single.add_argument(*spellings(name), default=None, metavar=metavar, help=argparse.SUPPRESS)
+    single.add_argument(
+        "--standalone", action="store_true", help="one node, as torchrun's (what aiospawn does)"
+    )
+    for name, metavar, help_text in RENDEZVOUS_FLAGS:
+        single.add_argument(
+            *spellings(name),
+            default=None,
+            metavar=metavar,
+            help=help_text or argparse.SUPPRESS,
+        )
 
     kind = _Kept(run_parser.add_mutually_exclusive_group(), kept)
     kind.add_argument(

@@ -28,6 +28,7 @@ import aiospawn
 from aiospawn._core._env import visible_devices
 from aiospawn._core._spec import DEFAULT_PREFIX, make_output_spec, make_spec
 
+from ._nodes import Nodes, ignored_flags, read_nodes, read_pet_environment
 from ._parse import SHUTDOWN_SIGNALS, UsageError
 from ._target import search_target_directory, target
 from ._torchrun import Std
@@ -56,8 +57,14 @@ class Plan:
     """
 
     def __init__(self, options: argparse.Namespace) -> None:
-        _refuse_rendezvous(options)
-        self.restart = _restart_policy(options)
+        read_pet_environment(options)
+        #: The rendezvous of several nodes to join, or None for one machine.
+        self.nodes: Nodes | None = read_nodes(options)
+        self.ignored: list[str] = [] if self.nodes is None else ignored_flags(options, self.nodes)
+        _refuse_rendezvous(options, several_nodes=self.nodes is not None)
+        # Across nodes a restart is a new round on every node, made by the
+        # launcher, not by the local group's own restarts.
+        self.restart = None if self.nodes is not None else _restart_policy(options)
         if options.target is None:
             raise UsageError(
                 "missing TARGET: a script, -m module, --fn module:function or --no-python program"
@@ -79,7 +86,9 @@ class Plan:
         self.startup_timeout: float | None = options.startup_timeout
         self.verbose: bool = options.verbose
         self.role: str = options.role
-        self.run_id: str = options.run_id or uuid.uuid4().hex
+        self.run_id: str = (
+            self.nodes.run_id if self.nodes is not None else options.run_id or uuid.uuid4().hex
+        )
         self.ray: str | None = options.ray
         if options.placement is not None and self.ray is None:
             raise UsageError("--placement is for --ray ADDRESS")
@@ -113,7 +122,7 @@ class Plan:
                 signal.Signals(signum).name for signum in self.signals
             ),
         }
-        if options.master_port is not None:
+        if options.master_port is not None and self.nodes is None:
             base["MASTER_PORT"] = options.master_port
         if self.virtual_local_rank:
             base["LOCAL_RANK"] = "0"
@@ -131,16 +140,24 @@ class Plan:
                 key: value for key, value in shared.items() if key.endswith(THREAD_SUFFIX)
             }
 
-    def environment(self, error_files: str | None) -> Callable[[int], dict[str, str]]:
+    def environment(
+        self,
+        error_files: str | None,
+        round_env: Callable[[int], dict[str, str]] | None = None,
+    ) -> Callable[[int], dict[str, str]]:
         """Each rank's variables beyond torchrun's: ours, then ``--env``, which wins.
 
         Args:
             error_files: The stem of the ranks' ``TORCHELASTIC_ERROR_FILE``
                 paths (see :func:`error_file`), or None to set none.
+            round_env: With several nodes, torchrun's variables of the
+                rendezvous round for each local rank; they replace the ones
+                the library sets for one machine.
         """
 
         def env(rank: int) -> dict[str, str]:
-            variables = dict(self.base_env)
+            variables = {} if round_env is None else round_env(rank)
+            variables.update(self.base_env)
             if error_files is not None:
                 path = error_file(error_files, rank)
                 # Called as each attempt of the rank is made: an earlier
@@ -301,35 +318,17 @@ def _signal_numbers(names: tuple[str, ...]) -> set[int]:
     return {int(getattr(signal, name)) for name in names}
 
 
-def _refuse_rendezvous(options: argparse.Namespace) -> None:
-    """Refuse torchrun's multi-node flags; accept the values that describe one machine."""
-    elsewhere = (
-        "aiospawn run starts every rank itself, on this machine or, with --ray ADDRESS,"
-        " on a Ray cluster: there is no rendezvous to join"
-    )
-    if options.nnodes is not None and options.nnodes not in ("1", "1:1"):
-        raise UsageError(
-            f"--nnodes {options.nnodes}: {elsewhere}; for ranks on several machines use"
-            " --ray ADDRESS -n N"
-        )
-    if options.node_rank is not None and options.node_rank != "0":
-        raise UsageError(f"--node-rank {options.node_rank}: {elsewhere}")
-    if options.rdzv_backend is not None and options.rdzv_backend not in ("static", "c10d"):
-        raise UsageError(f"--rdzv-backend {options.rdzv_backend}: {elsewhere}")
-    if options.rdzv_endpoint is not None:
-        host = options.rdzv_endpoint.rpartition(":")[0] or options.rdzv_endpoint
-        if host.strip("[]") not in LOCAL_HOSTS:
-            raise UsageError(f"--rdzv-endpoint {options.rdzv_endpoint}: {elsewhere}")
-    if options.master_addr is not None and options.master_addr not in LOCAL_HOSTS:
-        raise UsageError(
-            f"--master-addr {options.master_addr}: the ranks of one machine meet on"
-            " 127.0.0.1; on Ray, MASTER_ADDR is rank 0's node"
-        )
-    if options.master_port is not None and not options.master_port.isdigit():
+def _refuse_rendezvous(options: argparse.Namespace, *, several_nodes: bool) -> None:
+    """Refuse the rendezvous flags that ask for what we do not do.
+
+    With several nodes, ``_nodes.read_nodes`` has judged the rendezvous's own
+    flags; on one machine only the values that describe one machine pass.
+    """
+    if not several_nodes:
+        _refuse_other_machines(options)
+    if options.master_port is not None and not str(options.master_port).isdigit():
         raise UsageError(f"--master-port wants a port number, got {options.master_port!r}")
     for flag, value, why in (
-        ("--rdzv-conf", options.rdzv_conf, elsewhere),
-        ("--local-addr", options.local_addr, elsewhere),
         ("--logs-specs", options.logs_specs, "use --log-dir, -r/--redirects and -t/--tee"),
         (
             "--duplicate-stdout-filters",
@@ -356,6 +355,33 @@ def _refuse_rendezvous(options: argparse.Namespace) -> None:
             raise UsageError(
                 f"--monitor-interval wants seconds, got {options.monitor_interval!r}"
             ) from None
+
+
+def _refuse_other_machines(options: argparse.Namespace) -> None:
+    """On one machine: refuse rendezvous values that name another machine."""
+    elsewhere = (
+        "with one node (--nnodes 1) aiospawn run starts every rank itself, on this machine"
+        " or, with --ray ADDRESS, on a Ray cluster: there is no rendezvous to join"
+    )
+    if options.node_rank is not None and options.node_rank != "0":
+        raise UsageError(f"--node-rank {options.node_rank}: {elsewhere}")
+    if options.rdzv_backend is not None and options.rdzv_backend not in ("static", "c10d"):
+        raise UsageError(f"--rdzv-backend {options.rdzv_backend}: {elsewhere}")
+    if options.rdzv_endpoint is not None:
+        host = options.rdzv_endpoint.rpartition(":")[0] or options.rdzv_endpoint
+        if host.strip("[]") not in LOCAL_HOSTS:
+            raise UsageError(f"--rdzv-endpoint {options.rdzv_endpoint}: {elsewhere}")
+    if options.master_addr is not None and options.master_addr not in LOCAL_HOSTS:
+        raise UsageError(
+            f"--master-addr {options.master_addr}: the ranks of one machine meet on"
+            " 127.0.0.1; on Ray, MASTER_ADDR is rank 0's node"
+        )
+    for flag, value in (
+        ("--rdzv-conf", options.rdzv_conf),
+        ("--local-addr", options.local_addr),
+    ):
+        if value is not None:
+            raise UsageError(f"{flag} {value}: {elsewhere}")
 
 
 def _restart_policy(options: argparse.Namespace) -> aiospawn.RestartPolicy | None:

@@ -23,14 +23,14 @@ from ._report import Run, report, say
 from ._status import StatusLine, wanted
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
+    from collections.abc import AsyncIterator, Callable
 
     from aiospawn import GroupOptions
     from aiospawn._core._backend import Backend
 
     from ._plan import Plan
 
-__all__ = ["supervise"]
+__all__ = ["STOPPING", "group_options", "supervise"]
 
 
 async def supervise(plan: Plan) -> int:
@@ -62,7 +62,7 @@ async def supervise(plan: Plan) -> int:
                             plan.nprocs,
                             join=False,
                             start_method=plan.start_method,
-                            **_options(plan, error_files),
+                            **group_options(plan, error_files),
                         )
                     except (TypeError, ValueError) as exc:  # raised before anything starts
                         run.usage_error = exc
@@ -92,11 +92,16 @@ async def supervise(plan: Plan) -> int:
                     os.remove(error_file(error_files, rank))
 
 
-def _options(plan: Plan, error_files: str | None) -> GroupOptions:
+def group_options(
+    plan: Plan,
+    error_files: str | None,
+    round_env: Callable[[int], dict[str, str]] | None = None,
+) -> GroupOptions:
+    """The group's options; ``round_env``: torchrun's variables of a multi-node round."""
     stdout, stderr = plan.stream_modes()
     options: GroupOptions = {
         "grace_period": plan.grace_period,
-        "env": plan.environment(error_files),
+        "env": plan.environment(error_files, round_env),
         "torchrun_env": True,
         "restart": plan.restart,
         "heartbeat_timeout": plan.heartbeat_timeout,

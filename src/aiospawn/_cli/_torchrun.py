@@ -44,22 +44,23 @@ TEE_FILES = "files"
 #: torchrun's Std values: one for all ranks (``3``), or per rank (``0:3,1:1``).
 STD_PATTERN = re.compile(r"[0-3]|\d+:[0-3](,\d+:[0-3])*")
 
-#: torchrun's rendezvous and logging flags that have no meaning on one machine,
-#: with their metavars; each is parsed as text and judged by the plan.
-RENDEZVOUS_FLAGS = (
-    ("--nnodes", "1"),
-    ("--node-rank", "0"),
-    ("--master-addr", "HOST"),
-    ("--master-port", "PORT"),
-    ("--monitor-interval", "SECONDS"),
-    ("--rdzv-backend", "NAME"),
-    ("--rdzv-endpoint", "HOST:PORT"),
-    ("--rdzv-conf", "CONF"),
-    ("--local-addr", "HOST"),
-    ("--logs-specs", "NAME"),
-    ("--duplicate-stdout-filters", "TEXT"),
-    ("--duplicate-stderr-filters", "TEXT"),
-    ("--numa-binding", "MODE"),
+#: torchrun's rendezvous and logging flags, with their metavars and help (None:
+#: hidden); each is parsed as text and judged by the plan (``_nodes`` for the
+#: multi-node ones).
+RENDEZVOUS_FLAGS: tuple[tuple[str, str, str | None], ...] = (
+    ("--nnodes", "N|MIN:MAX", "number of nodes, each running this command line (default 1)"),
+    ("--node-rank", "K", "this node's rank, 0..N-1, for the static rendezvous"),
+    ("--master-addr", "HOST", "node 0's address, for the static rendezvous (default 127.0.0.1)"),
+    ("--master-port", "PORT", "node 0's port, for the static rendezvous (default 29500)"),
+    ("--monitor-interval", "SECONDS", None),
+    ("--rdzv-backend", "NAME", "static (the default) or c10d"),
+    ("--rdzv-endpoint", "HOST:PORT", "the rendezvous's store (c10d: the same on every node)"),
+    ("--rdzv-conf", "CONF", "KEY=VALUE,... for torch's rendezvous (join_timeout=600, ...)"),
+    ("--local-addr", "HOST", None),
+    ("--logs-specs", "NAME", None),
+    ("--duplicate-stdout-filters", "TEXT", None),
+    ("--duplicate-stderr-filters", "TEXT", None),
+    ("--numa-binding", "MODE", None),
 )
 
 

@@ -1,0 +1,348 @@
+"""``aiospawn run`` as torchrun's multi-node command line: two launchers on one machine as nodes.
+
+Each test starts two launchers (2 ranks each) on a localhost rendezvous with
+a free port, as torch's own tests of its rendezvous do; their ranks run
+``cli_programs/nodes_job.py``, a real gloo job across the "nodes". The
+command-line checks at the top start nothing and need no torch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, ParamSpec
+
+import pytest
+
+from tests.cli_helpers import (
+    REPO,
+    TRIPWIRE,
+    Launcher,
+    basetemp_first,
+    environ,
+    launchers,
+    program,
+    run,
+    start,
+)
+from tests.helpers import is_gone, wait_until
+
+__all__ = ["basetemp_first", "launchers"]  # fixtures
+
+_TORCH_MARKS = (
+    pytest.mark.torch,
+    pytest.mark.skipif(
+        importlib.util.find_spec("torch") is None,
+        reason="torch is not installed (pip install torch==2.13.0)",
+    ),
+    # Two launchers of two gloo ranks each: not beside each other.
+    pytest.mark.xdist_group("nodes"),
+)
+
+
+def needs_torch(test: Callable[P, None]) -> Callable[P, None]:
+    """Mark a test that runs real nodes: torch's marker, skipped without torch."""
+    for mark in _TORCH_MARKS:
+        test = mark(test)
+    return test
+
+
+P = ParamSpec("P")
+
+JOB = program("nodes_job.py")
+
+#: From a rank's failure on one node to the other node's ranks gone (seconds):
+#: the launchers read the round's end record every 0.2 s; the rest is margin
+#: for a loaded machine.
+STOP_BOUND = 10.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def static(port: int, node: int) -> list[str]:
+    return ["--nnodes", "2", "--node-rank", str(node), "--master-port", str(port)]
+
+
+def c10d(port: int, node: int) -> list[str]:
+    del node  # the rendezvous assigns it
+    return ["--nnodes", "2", "--rdzv-backend", "c10d", f"--rdzv-endpoint=127.0.0.1:{port}"]
+
+
+FORMS = {"static": static, "c10d": c10d}
+
+
+def start_nodes(
+    started: list[Launcher], form: str, *args: str, options: tuple[str, ...] = ()
+) -> list[Launcher]:
+    """Two launchers as the nodes of one job: ``options`` theirs, ``args`` the job's."""
+    port = free_port()
+    return [
+        start(started, "run", *FORMS[form](port, node), *options, "-n", "2", JOB, *args)
+        for node in range(2)
+    ]
+
+
+def results(stdout: str) -> list[dict[str, Any]]:
+    """The JSON lines of a node's ranks."""
+    found = []
+    for line in stdout.splitlines():
+        _, _, text = line.partition(": ")
+        if text.startswith("{"):
+            found.append(json.loads(text))
+    return found
+
+
+# ------------------------------------------------------------------ the command line
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--nnodes", "0"], "--nnodes 0: wants 0 < MIN <= MAX"),
+        (["--nnodes", "3:2"], "--nnodes 3:2: wants 0 < MIN <= MAX"),
+        (["--nnodes", "a:b"], "--nnodes wants N or MIN:MAX, got 'a:b'"),
+        (["--nnodes", "2", "--node-rank", "2"], "--node-rank 2: wants a number from 0 to 1"),
+        (["--nnodes", "1:2"], "its node count is fixed"),
+        (["--nnodes", "2", "--rdzv-backend", "c10d"], "wants --rdzv-endpoint HOST:PORT"),
+        (["--nnodes", "2", "--rdzv-backend", "etcd-v2"], "--rdzv-backend etcd-v2"),
+        (["--nnodes", "2", "--standalone"], "--standalone with --nnodes 2"),
+        (["--nnodes", "2", "--ray", "auto"], "--nnodes 2 with --ray"),
+        (["--nnodes", "2", "--rdzv-conf", "timeout"], "--rdzv-conf 'timeout'"),
+        (["--nnodes", "2", "--max-restarts", "-1"], "wants a non-negative whole number"),
+        (
+            ["--nnodes", "2", "--max-restarts", "1", "--restart-strategy", "one_for_one"],
+            "--restart-strategy with --nnodes 2",
+        ),
+        (["--nnodes", "2", "--master-port", "x"], "--master-port wants a port number"),
+    ],
+)
+def test_bad_multi_node_lines_are_refused_before_anything_starts(
+    args: list[str], message: str
+) -> None:
+    result = run("run", *args, program("show_vars.py"))
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+    assert result.stdout == ""
+
+
+def test_pet_variables_give_the_flags_the_command_line_leaves_out() -> None:
+    # As torchrun reads them (Kubeflow's PyTorchJob sets them): the line wins.
+    result = run("run", program("show_vars.py"), env=environ(PET_NNODES="2", PET_NODE_RANK="5"))
+    assert result.returncode == 2
+    assert "--node-rank 5: wants a number from 0 to 1 (--nnodes 2)" in result.stderr
+    result = run(
+        "run",
+        "--nnodes",
+        "1",
+        program("show_vars.py"),
+        "WORLD_SIZE",
+        env=environ(PET_NNODES="2", PET_NPROC_PER_NODE="2"),
+    )
+    assert result.returncode == 0, result.stderr
+    assert len(results(result.stdout)) == 2
+
+
+# ------------------------------------------------------------------ real nodes
+
+
+@needs_torch
+@pytest.mark.parametrize("form", ["static", "c10d"])
+def test_two_nodes_all_reduce_across_the_nodes(form: str, launchers: list[Launcher]) -> None:
+    nodes = start_nodes(launchers, form)
+    outcomes = [node.finish() for node in nodes]
+    for status, _, err in outcomes:
+        assert status == 0, err
+    ranks = {int(r["env"]["RANK"]): r for _, out, _ in outcomes for r in results(out)}
+    assert sorted(ranks) == [0, 1, 2, 3]
+    assert {r["sum"] for r in ranks.values()} == {6}  # 0 + 1 + 2 + 3, across both nodes
+    for rank, shown in ranks.items():
+        env = shown["env"]
+        assert env["WORLD_SIZE"] == env["ROLE_WORLD_SIZE"] == "4"
+        assert env["LOCAL_WORLD_SIZE"] == env["GROUP_WORLD_SIZE"] == "2"
+        assert env["ROLE_RANK"] == str(rank)
+        assert int(env["GROUP_RANK"]) * 2 + int(env["LOCAL_RANK"]) == rank
+        assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+
+
+def torchrun_environments(form: str, run_id: str, tmp: Path) -> dict[int, dict[str, str]]:
+    """Each rank's variables under torchrun itself, for the same two-node command line."""
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                *FORMS[form](port, node),
+                "--rdzv-id",
+                run_id,
+                "--nproc-per-node",
+                "2",
+                JOB,
+            ],
+            cwd=REPO,
+            # torchrun keeps its log directories in the temp dir.
+            env=environ(TMPDIR=str(tmp)),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        for node in range(2)
+    ]
+    shown: dict[int, dict[str, str]] = {}
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=TRIPWIRE)
+            assert proc.returncode == 0, err
+            for line in out.splitlines():
+                if line.startswith("{"):
+                    env = json.loads(line)["env"]
+                    shown[int(env["RANK"])] = env
+    finally:
+        for proc in procs:
+            if proc.returncode is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+    return shown
+
+
+@needs_torch
+@pytest.mark.parametrize("form", ["static", "c10d"])
+def test_each_rank_gets_the_environment_torchrun_gives_it(
+    form: str, launchers: list[Launcher], tmp_path: Path
+) -> None:
+    expected = torchrun_environments(form, "same-job", tmp_path)
+    port = free_port()
+    nodes = [
+        start(
+            launchers,
+            "run",
+            *FORMS[form](port, node),
+            "--rdzv-id",
+            "same-job",
+            "--nproc-per-node",
+            "2",
+            JOB,
+        )
+        for node in range(2)
+    ]
+    shown: dict[int, dict[str, str]] = {}
+    for node in nodes:
+        status, out, err = node.finish()
+        assert status == 0, err
+        for result in results(out):
+            shown[int(result["env"]["RANK"])] = result["env"]
+    # Each run has a port of its own (static: the one given; c10d: a fresh one).
+    varies = {"MASTER_PORT"}
+    if form == "static":
+        assert {env["MASTER_PORT"] for env in shown.values()} == {str(port)}
+    assert sorted(shown) == sorted(expected) == [0, 1, 2, 3]
+    for rank, env in expected.items():
+        assert {k: v for k, v in shown[rank].items() if k not in varies} == {
+            k: v for k, v in env.items() if k not in varies
+        }, rank
+
+
+@needs_torch
+def test_a_failing_rank_on_one_node_stops_the_ranks_of_the_other(
+    launchers: list[Launcher], tmp_path: Path
+) -> None:
+    error_file = tmp_path / "error.json"
+    # Node 0's ranks wait in a way no peer's death ends: only the launcher can
+    # stop them (a gloo collective would fail of the peer's death by itself).
+    port = free_port()
+    node0 = start(
+        launchers,
+        "run",
+        *static(port, 0),
+        "-n",
+        "2",
+        JOB,
+        "--fail-rank",
+        "3",
+        "--wait",
+        "sleep",
+        env=environ(TORCHELASTIC_ERROR_FILE=str(error_file)),
+    )
+    node1 = start(
+        launchers, "run", *static(port, 1), "-n", "2", JOB, "--fail-rank", "3", "--wait", "sleep"
+    )
+    waiting = _waiting(node0, 2)
+    seen = time.monotonic()
+    assert wait_until(lambda: all(is_gone(pid) for pid in waiting), STOP_BOUND)
+    assert time.monotonic() - seen < STOP_BOUND
+    status0, _, err0 = node0.finish()
+    status1, _, err1 = node1.finish()
+    # Every node exits with the root cause's status and names it.
+    assert (status0, status1) == (3, 3), (err0, err1)
+    assert "node 1 (" in err0
+    assert "rank 3 (local rank 1), failed first: exit code 3" in err0
+    assert "the ranks here were stopped" in err0
+    assert "rank 3 (local rank 1), failed first" in err1
+    error = json.loads(error_file.read_text())
+    assert error["message"]["errorCode"] == 3
+
+
+def _waiting(node: Launcher, count: int) -> list[int]:
+    return [int(match[1]) for match in node.wait_for_lines(r"waiting (\d+)$", count)]
+
+
+@needs_torch
+@pytest.mark.parametrize("form", ["static", "c10d"])
+def test_ctrl_c_on_one_node_stops_every_node(form: str, launchers: list[Launcher]) -> None:
+    nodes = start_nodes(launchers, form, "--hang", "--wait", "sleep")
+    waiting = [pid for node in nodes for pid in _waiting(node, 2)]
+    nodes[1].signal(signal.SIGINT)
+    assert wait_until(lambda: all(is_gone(pid) for pid in waiting), STOP_BOUND)
+    outcomes = [node.finish() for node in nodes]
+    assert [status for status, _, _ in outcomes] == [130, 130], outcomes
+    assert "was stopped by SIGINT; the ranks here were stopped" in outcomes[0][2]
+    assert "SIGINT received: stopping the ranks on every node" in outcomes[1][2]
+
+
+@needs_torch
+def test_max_restarts_makes_a_new_round_on_every_node(launchers: list[Launcher]) -> None:
+    nodes = start_nodes(
+        launchers, "c10d", "--fail-rank", "3", "--fail-once", options=("--max-restarts", "1")
+    )
+    outcomes = [node.finish() for node in nodes]
+    for status, _, err in outcomes:
+        assert status == 0, err
+        assert "failed first: exit code 3; restarting every node's ranks (1 of 1" in err
+    rounds: dict[str, set[int]] = {}
+    for _, out, _ in outcomes:
+        for result in results(out):
+            env = result["env"]
+            assert env["TORCHELASTIC_MAX_RESTARTS"] == "1"
+            rounds.setdefault(env["TORCHELASTIC_RESTART_COUNT"], set()).add(int(env["RANK"]))
+    assert rounds == {"0": {0, 1, 2, 3}, "1": {0, 1, 2, 3}}
+
+
+@needs_torch
+def test_a_node_whose_launcher_is_killed_is_noticed_by_the_others(
+    launchers: list[Launcher],
+) -> None:
+    # Node 0 holds the static rendezvous's store; node 1's launcher dies.
+    nodes = start_nodes(launchers, "static", "--hang", "--wait", "sleep")
+    waiting = [pid for node in nodes for pid in _waiting(node, 2)]
+    nodes[1].proc.kill()
+    # LOST_AFTER (10 s) without node 1's heartbeat, plus margin.
+    assert wait_until(lambda: all(is_gone(pid) for pid in waiting), 25.0)
+    status, _, err = nodes[0].finish()
+    assert status == 1, err
+    assert "node 1 was lost (no heartbeat for 10 s)" in err
