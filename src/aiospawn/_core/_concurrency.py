@@ -73,7 +73,7 @@ class Broadcast:
     """Wakes every task waiting in :meth:`wait` when :meth:`notify` is called.
 
     An ``anyio.Event`` can be set only once, so each notification sets the
-    current one and puts a fresh one in its place. A waiter checks its
+    current one and the next waiter makes a fresh one. A waiter checks its
     condition, then waits, with no checkpoint in between, so no notification
     can fall between the two. With nobody waiting a notification does nothing:
     some are made for every line a rank writes, and a new ``anyio.Event``
@@ -82,20 +82,25 @@ class Broadcast:
     """
 
     def __init__(self) -> None:
-        self._event = anyio.Event()
+        # Made by the first waiter: a group holds dozens of these, most of
+        # which nobody ever waits on.
+        self._event: anyio.Event | None = None
         self._waiters = 0
 
     def notify(self) -> None:
         """Wake the tasks waiting now; later waiters wait for the next call."""
-        if self._waiters:
+        if self._waiters and self._event is not None:
             self._event.set()
-            self._event = anyio.Event()
+            self._event = None
 
     async def wait(self) -> None:
         """Wait for the next :meth:`notify`."""
+        if self._event is None:
+            self._event = anyio.Event()
+        event = self._event
         self._waiters += 1
         try:
-            await self._event.wait()
+            await event.wait()
         finally:
             self._waiters -= 1
 
