@@ -40,6 +40,8 @@ from tests.helpers import send_storm, tripwire, wait_until
 
 ray = pytest.importorskip("ray")
 
+import numpy  # noqa: E402  (Ray's own dependency)
+
 from aiospawn._core._context import group_of  # noqa: E402
 from aiospawn._core._env import free_port  # noqa: E402
 from aiospawn.ray import RayBackend  # noqa: E402  (after the skip: needs ray)
@@ -640,6 +642,23 @@ async def test_ready_payloads_and_channel_round_trips(cluster: LocalCluster) -> 
                     await channel.send(message)
                 for message in ("ping", big, {"n": rank}):
                     assert await channel.receive() == (rank, message)
+                # What users send: arrays whose pickles carry out-of-band
+                # buffers, at 64 KiB and past the local backend's sharing size.
+                arrays = [
+                    numpy.arange(8192, dtype=numpy.float64) + rank,  # 64 KiB
+                    numpy.asfortranarray(numpy.arange(24576, dtype=numpy.int32).reshape(128, 192)),
+                    numpy.asfortranarray(numpy.ones((512, 768), dtype=numpy.float32)) * rank,
+                ]
+                for array in arrays:
+                    await channel.send(array)
+                for array in arrays:
+                    got_rank, got = await channel.receive()
+                    assert got_rank == rank
+                    numpy.testing.assert_array_equal(got, array)
+                    assert (
+                        got.dtype == array.dtype
+                        and got.flags.f_contiguous == array.flags.f_contiguous
+                    )
         # The block closed the channels: each rank's loop ended and it returned.
     assert ctx.results == ["closed", "closed"]
 
