@@ -60,21 +60,7 @@ def cpu():
 
 
 def mp_group():
-    context = multiprocessing.get_context(method)
-    pipes = [context.Pipe(duplex=False) for _ in range(nprocs)]
-    processes = [
-        context.Process(target=workloads.send_rank, args=(rank, writer))
-        for rank, (_, writer) in enumerate(pipes)
-    ]
-    for process in processes:
-        process.start()
-    for _, writer in pipes:
-        writer.close()
-    values = [reader.recv() for reader, _ in pipes]
-    for process in processes:
-        process.join()
-    for reader, _ in pipes:
-        reader.close()
+    values = workloads.plain_group(method, nprocs)
     assert values == list(range(nprocs)), values
 
 

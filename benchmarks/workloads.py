@@ -143,3 +143,29 @@ def aiospawn_origin(rank: int) -> str:
     import sys
 
     return str(sys.modules["aiospawn"].__file__)
+
+
+def plain_group(method: str, nprocs: int) -> list[int]:
+    """Start ``nprocs`` plain ``multiprocessing`` ranks that send their rank; their values.
+
+    The peer of aiospawn's start-up benchmarks: a ``Pipe`` per rank, the
+    processes started one after the other, the values received, all joined.
+    """
+    import multiprocessing
+
+    context = multiprocessing.get_context(method)
+    pipes = [context.Pipe(duplex=False) for _ in range(nprocs)]
+    processes = [
+        context.Process(target=send_rank, args=(rank, writer))
+        for rank, (_, writer) in enumerate(pipes)
+    ]
+    for process in processes:
+        process.start()
+    for _, writer in pipes:
+        writer.close()
+    values = [reader.recv() for reader, _ in pipes]
+    for process in processes:
+        process.join()
+    for reader, _ in pipes:
+        reader.close()
+    return values
