@@ -41,7 +41,7 @@ from aiospawn._core._events import Exited
 from ._errorfile import ERROR_FILE_VAR, root_cause_error, write_root_cause
 from ._plan import error_file
 from ._report import Run, report, say
-from ._run import STOPPING, group_options
+from ._run import STOPPING, start_group
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable
@@ -173,7 +173,6 @@ async def _round(plan: Plan, node: _Node, current: Round, error_files: str) -> d
     run = node.run
     remote: dict[str, Any] = {}
     announced: dict[str, Any] = {}
-    options = group_options(plan, error_files, current.environment)
     async with anyio.create_task_group() as tasks:
         ranks = node.phase()
 
@@ -187,14 +186,7 @@ async def _round(plan: Plan, node: _Node, current: Round, error_files: str) -> d
 
         tasks.start_soon(watch)
         with ranks:
-            run.group = await aiospawn.start_processes(
-                plan.fn,
-                plan.args,
-                plan.nprocs,
-                join=False,
-                start_method=plan.start_method,
-                **options,
-            )
+            run.group = await start_group(plan, error_files, current.environment)
             group = run.group
 
             async def announce() -> None:

@@ -8,7 +8,7 @@ import secrets
 import signal
 import sys
 import tempfile
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.abc
@@ -25,12 +25,12 @@ from ._status import StatusLine, wanted
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable
 
-    from aiospawn import GroupOptions
+    from aiospawn import AsyncProcessContext, GroupOptions
     from aiospawn._core._backend import Backend
 
     from ._plan import Plan
 
-__all__ = ["STOPPING", "group_options", "supervise"]
+__all__ = ["STOPPING", "start_group", "supervise"]
 
 
 async def supervise(plan: Plan) -> int:
@@ -56,14 +56,7 @@ async def supervise(plan: Plan) -> int:
                 tasks.start_soon(_on_signals, received, run, ranks_scope)
                 with ranks_scope:
                     try:
-                        run.group = await aiospawn.start_processes(
-                            plan.fn,
-                            plan.args,
-                            plan.nprocs,
-                            join=False,
-                            start_method=plan.start_method,
-                            **group_options(plan, error_files),
-                        )
+                        run.group = await start_group(plan, error_files)
                     except (TypeError, ValueError) as exc:  # raised before anything starts
                         run.usage_error = exc
                     except Exception as exc:
@@ -92,10 +85,35 @@ async def supervise(plan: Plan) -> int:
                     os.remove(error_file(error_files, rank))
 
 
-def group_options(
+async def start_group(
     plan: Plan,
     error_files: str | None,
     round_env: Callable[[int], dict[str, str]] | None = None,
+) -> AsyncProcessContext[Any]:
+    """Start the plan's ranks on this machine, not joined: the group's owner drives them.
+
+    Args:
+        plan: What to run.
+        error_files: The directory of the ranks' error files, if any.
+        round_env: Torchrun's variables of a multi-node round, per local rank.
+
+    Raises:
+        TypeError, ValueError: The options are refused, before anything starts.
+    """
+    return await aiospawn.start_processes(
+        plan.fn,
+        plan.args,
+        plan.nprocs,
+        join=False,
+        start_method=plan.start_method,
+        **_group_options(plan, error_files, round_env),
+    )
+
+
+def _group_options(
+    plan: Plan,
+    error_files: str | None,
+    round_env: Callable[[int], dict[str, str]] | None,
 ) -> GroupOptions:
     """The group's options; ``round_env``: torchrun's variables of a multi-node round."""
     stdout, stderr = plan.stream_modes()
