@@ -10,6 +10,7 @@ import subprocess
 import sys
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -81,15 +82,7 @@ def imported_after(statement: str) -> dict[str, bool]:
         "after = {m: m in sys.modules for m in ('anyio', 'asyncio', 'trio')}\n"
         "print(json.dumps({'before': before, 'after': after}))\n"
     )
-    completed = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    report = json.loads(completed.stdout)
+    report = printed_json(code)
     assert not any(report["before"].values()), f"the interpreter itself loaded {report['before']}"
     return report["after"]  # type: ignore[no-any-return]
 
@@ -124,6 +117,15 @@ def test_a_trio_supervisor_never_imports_asyncio() -> None:
     assert imported_after(statement) == {"anyio": True, "asyncio": False, "trio": True}
 
 
+def printed_json(code: str) -> Any:
+    """What ``code``, run in a fresh interpreter from the repository, printed as JSON."""
+    completed = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert completed.returncode == 0, completed.stderr
+    return json.loads(completed.stdout)
+
+
 def modules_loaded_by(statement: str, after: str = "") -> set[str]:
     """The modules that ``statement`` loads in a fresh interpreter, beyond its start-up.
 
@@ -135,11 +137,7 @@ def modules_loaded_by(statement: str, after: str = "") -> set[str]:
         f"{statement}\n"
         "print(json.dumps(sorted(set(sys.modules) - before)))\n"
     )
-    completed = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
-    )
-    assert completed.returncode == 0, completed.stderr
-    return set(json.loads(completed.stdout))
+    return set(printed_json(code))
 
 
 def test_the_rank_side_package_imports_the_standard_library_only() -> None:
@@ -222,11 +220,7 @@ def imported_on_the_loop(runner: str, start_method: str) -> set[str]:
         f"{run}\n"
         "print(json.dumps(seen))\n"
     )
-    completed = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
-    )
-    assert completed.returncode == 0, completed.stderr
-    return set(json.loads(completed.stdout))
+    return set(printed_json(code))
 
 
 @pytest.mark.parametrize(
