@@ -96,10 +96,10 @@ def start_nodes(
 
 
 def results(stdout: str) -> list[dict[str, Any]]:
-    """The JSON lines of a node's ranks."""
+    """The JSON lines of a node's ranks (prefixed ``[rankN]: ``, but not a lone rank's)."""
     found = []
     for line in stdout.splitlines():
-        _, _, text = line.partition(": ")
+        text = line if line.startswith("{") else line.partition(": ")[2]
         if text.startswith("{"):
             found.append(json.loads(text))
     return found
@@ -346,3 +346,62 @@ def test_a_node_whose_launcher_is_killed_is_noticed_by_the_others(
     status, _, err = nodes[0].finish()
     assert status == 1, err
     assert "node 1 was lost (no heartbeat for 10 s)" in err
+
+
+@needs_torch
+def test_with_min_max_nodes_the_nodes_left_go_on_without_a_killed_one(
+    launchers: list[Launcher],
+) -> None:
+    # Three nodes of one rank; node A holds the c10d store (is_host), so that
+    # the one killed is never the store's holder. A short last call: the
+    # second round starts as soon as the two nodes left have joined it.
+    port = free_port()
+    nodes = [
+        start(
+            launchers,
+            "run",
+            "--nnodes",
+            "2:3",
+            "--rdzv-backend",
+            "c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            "--rdzv-conf",
+            f"is_host={'true' if index == 0 else 'false'},last_call_timeout=1",
+            "--max-restarts",
+            "1",
+            "-n",
+            "1",
+            JOB,
+            "--hang-once",
+            "--wait",
+            "sleep",
+        )
+        for index in range(3)
+    ]
+    waiting = [_waiting(node, 1)[0] for node in nodes]
+    # The launcher and its rank, by pid, as a machine's sudden death would.
+    nodes[2].proc.kill()
+    os.kill(waiting[2], signal.SIGKILL)
+    nodes[2].proc.communicate()
+    # LOST_AFTER (10 s), torch's rendezvous forgetting the dead node (its
+    # keep-alive: 15 s by default), the second round: generous.
+    outcomes = []
+    for node in nodes[:2]:
+        out, err = node.proc.communicate(timeout=180.0)
+        outcomes.append(
+            (node.proc.returncode, (node.out + out).decode(), (node.err + err).decode())
+        )
+    for status, _, err in outcomes:
+        assert status == 0, err
+        assert "restarting every node's ranks (1 of 1 restarts)" in err
+    assert any("was lost (no heartbeat for 10 s)" in err for _, _, err in outcomes), outcomes
+    rounds: dict[str, list[dict[str, Any]]] = {}
+    for _, out, _ in outcomes:
+        for result in results(out):
+            rounds.setdefault(result["env"]["TORCHELASTIC_RESTART_COUNT"], []).append(result)
+    assert {r["env"]["WORLD_SIZE"] for r in rounds.get("0", [])} == {"3"}, rounds
+    second = rounds.get("1", [])
+    assert sorted(int(r["env"]["RANK"]) for r in second) == [0, 1], rounds
+    for result in second:
+        assert result["env"]["WORLD_SIZE"] == "2"
+        assert result["sum"] == 1  # 0 + 1: the all-reduce of the two nodes left

@@ -1,4 +1,4 @@
-"""``nodes_job.py [--fail-rank R] [--fail-once] [--hang]``: a gloo job across the "nodes" of a test.
+"""``nodes_job.py [--fail-rank R] [--fail-once] [--hang[-once]]``: a gloo job over a test's "nodes".
 
 Each rank joins the process group by ``env://`` (as a torchrun script does),
 all-reduces its rank, and prints one JSON line: the sum and the torchrun
@@ -7,7 +7,8 @@ status 3 after the first all-reduce (``--fail-once``: only in the first round,
 ``TORCHELASTIC_RESTART_COUNT=0``); the other ranks then print ``waiting PID``
 and sit in a second all-reduce that rank R never joins, as a job's ranks do
 when a peer dies. ``--hang``: every rank prints ``waiting PID`` and sits in
-that all-reduce after the first. ``--wait sleep``: the waiting is a sleep
+that all-reduce after the first (``--hang-once``: only in the first round).
+``--wait sleep``: the waiting is a sleep
 instead, which no peer's death ends (as an NCCL collective's often does not):
 only the launcher can stop such a rank.
 """
@@ -48,6 +49,7 @@ if __name__ == "__main__":
     parser.add_argument("--fail-rank", type=int, default=None)
     parser.add_argument("--fail-once", action="store_true")
     parser.add_argument("--hang", action="store_true")
+    parser.add_argument("--hang-once", action="store_true")
     parser.add_argument("--wait", choices=("collective", "sleep"), default="collective")
     options = parser.parse_args()
     # Long enough that a collective's own timeout never ends a test's wait.
@@ -64,7 +66,8 @@ if __name__ == "__main__":
         # When it fails, for the benchmark's clock (one machine: one clock).
         os.write(1, f"failing {os.getpid()} {time.time()!r}\n".encode())
         sys.exit(3)
-    if options.hang or (options.fail_rank is not None and (first_round or not options.fail_once)):
+    hang = options.hang or (options.hang_once and first_round)
+    if hang or (options.fail_rank is not None and (first_round or not options.fail_once)):
         os.write(1, f"waiting {os.getpid()}\n".encode())
         if options.wait == "sleep":
             threading.Event().wait()
