@@ -655,10 +655,8 @@ async def test_ready_payloads_and_channel_round_trips(cluster: LocalCluster) -> 
                     got_rank, got = await channel.receive()
                     assert got_rank == rank
                     numpy.testing.assert_array_equal(got, array)
-                    assert (
-                        got.dtype == array.dtype
-                        and got.flags.f_contiguous == array.flags.f_contiguous
-                    )
+                    assert got.dtype == array.dtype
+                    assert got.flags.f_contiguous == array.flags.f_contiguous
         # The block closed the channels: each rank's loop ended and it returned.
     assert ctx.results == ["closed", "closed"]
 
