@@ -392,7 +392,6 @@ async def _start_on_threads(ranks: Sequence[LocalRank], errors: dict[int, Except
         cancellation is raised.
     """
     stop = threading.Event()
-    finished = threading.Event()
 
     def start_one(rank: LocalRank) -> None:
         if stop.is_set():
@@ -403,20 +402,21 @@ async def _start_on_threads(ranks: Sequence[LocalRank], errors: dict[int, Except
             errors[rank.rank] = exc
 
     def start_all() -> None:
-        try:
-            pool = _starters()
-            for future in [pool.submit(start_one, rank) for rank in ranks]:
-                future.result()
-        finally:
-            finished.set()
+        pool = _starters()
+        for future in [pool.submit(start_one, rank) for rank in ranks]:
+            future.result()
 
-    try:
-        await anyio.to_thread.run_sync(start_all, abandon_on_cancel=True)
-    except BaseException:
-        stop.set()
-        with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(finished.wait)
-        raise
+    async def stop_when_cancelled() -> None:
+        try:
+            await anyio.sleep_forever()
+        finally:
+            stop.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(stop_when_cancelled)
+        # Not abandoned on cancellation: the starts under way finish first.
+        await anyio.to_thread.run_sync(start_all)
+        tg.cancel_scope.cancel()
 
 
 #: The threads that start ranks, shared by every group of this process and
