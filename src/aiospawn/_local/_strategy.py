@@ -16,13 +16,14 @@ strategy for the rest::
                 (``preload=``)                                               thread
 
 "Pickled" is by reference, or by value when ``fn`` needs it (``_pickling``);
-"on a worker thread" is side by side with the group's other starts.
+"on a worker thread" is on the starter threads (:func:`_start_on_threads`),
+side by side with the process's other starts.
 
 ``Process.start()`` can block: under ``spawn`` and ``forkserver`` it writes the
 pickled ``fn`` and ``args`` into a 64 KiB pipe and waits until the child has
 read them, which happens only after the child has imported ``fn``'s module
-(torch issue 133010). So those starts run on worker threads, side by side: N
-ranks take about one rank's start time. A ``fork`` start never waits for the
+(torch issue 133010). So those starts run on threads, side by side: up to
+:data:`START_CONCURRENCY` ranks take about one rank's start time. A ``fork`` start never waits for the
 child; those run on the event-loop thread, one at a time, with a checkpoint
 between them (forking from several threads can corrupt ``multiprocessing``'s
 bookkeeping). Each process object exists before its start, and starts are
