@@ -157,11 +157,11 @@ class Conversation:
 
     The group's owner runs :meth:`pump` for as long as the attempt's stream
     lasts: it sorts every frame the rank sends, and pushes out what senders
-    queued that the socket did not take at once. Users' tasks (``send()``, ``receive()``, calls,
-    ``wait_ready()``) only queue frames and wait for what the pump did, so
-    frames move whether or not anyone waits for them, and a task cancelled at
-    any point leaves nothing half done: a frame it queued is written whole by
-    the writer.
+    queued that the socket did not take at once. Users' tasks (``send()``,
+    ``receive()``, calls, ``wait_ready()``) only queue frames and wait for what
+    the pump did, so frames move whether or not anyone waits for them, and a
+    task cancelled at any point leaves nothing half done: a frame it queued is
+    written whole by the pump.
     """
 
     def __init__(

@@ -23,9 +23,9 @@ side by side with the process's other starts.
 pickled ``fn`` and ``args`` into a 64 KiB pipe and waits until the child has
 read them, which happens only after the child has imported ``fn``'s module
 (torch issue 133010). So those starts run on threads, side by side: up to
-:data:`START_CONCURRENCY` ranks take about one rank's start time. A ``fork`` start never waits for the
-child; those run on the event-loop thread, one at a time, with a checkpoint
-between them (forking from several threads can corrupt ``multiprocessing``'s
+:data:`START_CONCURRENCY` ranks take about one rank's start time. A ``fork``
+start never waits for the child; those run on the event-loop thread, one at a
+time, with a checkpoint between them (forking from several threads can corrupt ``multiprocessing``'s
 bookkeeping). Each process object exists before its start, and starts are
 never abandoned on cancellation, so no rank can start behind our back.
 
@@ -70,9 +70,10 @@ if TYPE_CHECKING:
 
 START_METHODS = ("spawn", "fork", "forkserver")
 
-#: How many ranks start at the same time, in all the groups of a process. More threads would
-#: fight the event loop for the GIL while they pickle and fork: with 32, a
-#: 64-rank spawn start stalled the loop for about 200 ms, with 8 about 30 ms.
+#: How many ranks start at the same time, in all the groups of a process. More
+#: threads would fight the event loop for the GIL while they pickle and fork:
+#: with 32, a 64-rank spawn start stalled the loop for about 200 ms, with 8
+#: about 30 ms.
 START_CONCURRENCY = 8
 
 
