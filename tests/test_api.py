@@ -15,12 +15,22 @@ from functools import partial
 from typing import Any
 
 import anyio
+import anyio.to_thread
 import pytest
 
 import aiospawn
 from aiospawn._local._limits import max_nprocs
 from tests import ranks
-from tests.helpers import Events, cancel_once_ready, drain, is_reaped, receive, receive_ready
+from tests.helpers import (
+    Events,
+    cancel_once_ready,
+    drain,
+    is_reaped,
+    live_children,
+    receive,
+    receive_ready,
+    tripwire,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -409,6 +419,43 @@ async def test_cancelling_while_the_ranks_start_leaves_no_process_behind(
         release[1].send(None)  # the ranks' imports finish; the starts complete
     assert scope.cancelled_caught
     assert all(is_reaped(pid) for pid in pids)
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+@pytest.mark.both_loops
+async def test_a_start_cancelled_while_it_waits_for_a_thread_ends_and_starts_nothing(
+    start_method: str,
+) -> None:
+    # Every worker thread is taken when the start wants one: the cancellation
+    # lands before any rank has started, and once a thread is free the start
+    # must end without starting a rank.
+    await aiospawn.start_processes(ranks.identity, nprocs=1, start_method=start_method)
+    children_before = live_children()
+    limiter = anyio.to_thread.current_default_thread_limiter()
+    tokens = limiter.total_tokens
+    limiter.total_tokens = 1
+    free = threading.Event()
+    scope = anyio.CancelScope()
+
+    async def run() -> None:
+        with scope:
+            await aiospawn.start_processes(ranks.sleep_forever, nprocs=2, start_method=start_method)
+
+    try:
+        with tripwire(60, "a start cancelled while it waited for a thread"):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(partial(anyio.to_thread.run_sync, free.wait))
+                await anyio.wait_all_tasks_blocked()
+                tg.start_soon(run)
+                await anyio.wait_all_tasks_blocked()
+                scope.cancel()
+                await anyio.wait_all_tasks_blocked()
+                free.set()
+    finally:
+        free.set()
+        limiter.total_tokens = tokens
+    assert scope.cancelled_caught
+    assert live_children() - children_before == set()
 
 
 # The event loop keeps running

@@ -156,12 +156,12 @@ class Conversation:
     """Everything the supervisor holds of one attempt's channel; :class:`RankChannel` fronts it.
 
     The group's owner runs :meth:`pump` for as long as the attempt's stream
-    lasts: its reader sorts every frame the rank sends, its writer pushes out
-    what senders queued. Users' tasks (``send()``, ``receive()``, calls,
-    ``wait_ready()``) only queue frames and wait for what the pump did, so
-    frames move whether or not anyone waits for them, and a task cancelled at
-    any point leaves nothing half done: a frame it queued is written whole by
-    the writer.
+    lasts: it sorts every frame the rank sends, and pushes out what senders
+    queued that the socket did not take at once. Users' tasks (``send()``,
+    ``receive()``, calls, ``wait_ready()``) only queue frames and wait for what
+    the pump did, so frames move whether or not anyone waits for them, and a
+    task cancelled at any point leaves nothing half done: a frame it queued is
+    written whole by the pump.
     """
 
     def __init__(
@@ -185,8 +185,9 @@ class Conversation:
         # One wake-up per kind of change, so that each waits only for its own.
         self._arrived = Broadcast()  # a frame was sorted, or the stream ended
         self._room = Broadcast()  # the inbox has room again
-        self._to_write = Broadcast()  # a frame was queued
         self._written = Broadcast()  # bytes went out, or writing failed
+        self._pumping: anyio.abc.TaskGroup | None = None  # the pump's, while it runs
+        self._writing = False  # a writer task waits for the socket to take more
         self._queued_bytes = 0  # bytes ever queued ...
         self._written_bytes = 0  # ... and ever written: a frame is out once this passes its end
         self._write_failed = False  # the rank's end is closed
@@ -232,11 +233,22 @@ class Conversation:
     # ------------------------------------------------------------ the owner's
 
     async def pump(self) -> None:
-        """Read and write frames until the stream ends: the group's owner runs this."""
+        """Read frames until the stream ends, and write what the socket did not take at once.
+
+        The group's owner runs this. A frame is written as it is queued; a
+        writer task is started only while the socket is full, so that a rank
+        nobody writes to costs no task of its own.
+        """
         async with anyio.create_task_group() as tg:
-            tg.start_soon(self._write_queued)
-            await self._read_frames()
-            tg.cancel_scope.cancel()
+            self._pumping = tg
+            try:
+                if self._link.queued:  # queued before the pump ran
+                    self._start_writer()
+                await self._read_frames()
+            finally:
+                self._pumping = None
+            if self._writing:
+                tg.cancel_scope.cancel()
 
     def drain_and_release(self) -> None:
         """Sort every frame that can be read now, then release the transport: the attempt is over.
@@ -262,7 +274,7 @@ class Conversation:
         if not self._ended:
             self._ended = True
             self._link.close()
-            for change in (self._arrived, self._room, self._to_write, self._written):
+            for change in (self._arrived, self._room, self._written):
                 change.notify()
 
     def close_sending(self) -> None:
@@ -288,12 +300,18 @@ class Conversation:
             # (and its mapping) lives as long as its receiver holds it.
             del frame
 
+    def _start_writer(self) -> None:
+        if not self._writing and self._pumping is not None:
+            self._writing = True
+            self._pumping.start_soon(self._write_queued)
+
     async def _write_queued(self) -> None:
-        while not self._ended and not self._write_failed:
-            if not self._link.queued:
-                await self._to_write.wait()
-            elif not self._write_some():
+        """Write out the queue as the socket takes it; end once it is empty or writing has ended."""
+        try:
+            while not self._write_some():
                 await self._link.wait_writable()
+        finally:
+            self._writing = False
 
     # ------------------------------------------------------------ the users'
 
@@ -458,8 +476,8 @@ class Conversation:
         before = self._link.queued
         self._link.queue_frame(kind, payload, fd)
         self._queued_bytes += self._link.queued - before
-        self._write_some()
-        self._to_write.notify()
+        if not self._write_some():
+            self._start_writer()
         return self._queued_bytes
 
     def _write_some(self) -> bool:

@@ -117,20 +117,21 @@ class SingleWatcher:
     """
 
     def __init__(self) -> None:
-        self._watching: anyio.Event | None = None
+        self._watching = False
+        self._ended = Broadcast()  # a watch returned or was cancelled
 
     async def run(self, finished: Callable[[], bool], watch: Callable[[], Awaitable[None]]) -> None:
         """Return once ``finished()``, watching with ``watch()`` while nobody else does."""
         while not finished():
-            if self._watching is not None:
-                await self._watching.wait()
+            if self._watching:
+                await self._ended.wait()
                 continue
-            self._watching = done = anyio.Event()
+            self._watching = True
             try:
                 await watch()
             finally:
-                self._watching = None
-                done.set()
+                self._watching = False
+                self._ended.notify()
 
 
 def start_owner(owner: Callable[[], Coroutine[Any, Any, None]]) -> None:
