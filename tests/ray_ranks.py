@@ -310,7 +310,7 @@ async def serve_shard_async(rank: int) -> str:
 
 
 class PlainEcho:
-    """A plain Ray actor (decorated by the caller): the floor a Ray rank's channel is measured against."""
+    """A plain Ray actor (decorated by the caller): the floor of a Ray rank's channel."""
 
     def echo(self, message: Any) -> Any:
         return message

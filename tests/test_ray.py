@@ -15,7 +15,6 @@ anonymous, so other jobs cannot look them up, and are found by class) and
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import math
 import os
@@ -25,6 +24,7 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -574,36 +574,76 @@ async def test_other_jobs_can_neither_find_nor_signal_our_ranks(cluster: LocalCl
 def test_the_board_refuses_foreign_tokens_and_signals_and_prunes_its_queues(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # The board's own logic, without a cluster (it is a plain asyncio class).
+    # The board's own logic, without a cluster (a plain class; Ray runs its
+    # methods on threads).
     from aiospawn.ray import _actor
 
     monkeypatch.setattr(_actor, "SIGNAL_WAIT", 0.01)
+    board = _actor.SignalBoard("secret")
+    for call in (
+        lambda: board.send("wrong", "0.0", signal.SIGTERM),
+        lambda: board.next_signal("wrong", "0.0"),
+        lambda: board.forget("wrong", "0.0"),
+        lambda: board.keys("wrong"),
+        lambda: board.address("wrong"),
+        lambda: board.deliver(b"wrong 0.0 0\nhello"),
+        lambda: board.collect("wrong 0.0 0"),
+        lambda: board.release("wrong", "0.0"),
+    ):
+        with pytest.raises(PermissionError):
+            call()
+    for refused in (signal.SIGKILL, signal.SIGSTOP, signal.SIGUSR1, 0):
+        with pytest.raises(ValueError, match="carries"):
+            board.send("secret", "0.0", refused)
+    # Taken: nothing left. Timed out: nothing left.
+    board.send("secret", "0.0", signal.SIGTERM)
+    assert board.next_signal("secret", "0.0") == signal.SIGTERM
+    assert board.next_signal("secret", "1.0") == 0
+    assert board.keys("secret") == []
+    # Sent to an attempt that ended before taking it: dropped once forgotten.
+    board.send("secret", "2.0", signal.SIGTERM)
+    assert board.keys("secret") == ["2.0"]
+    board.forget("secret", "2.0")
+    assert board.keys("secret") == []
 
-    async def scenario() -> None:
-        board = _actor.SignalBoard("secret")
-        for call in (
-            board.send("wrong", "0.0", signal.SIGTERM),
-            board.next_signal("wrong", "0.0"),
-            board.forget("wrong", "0.0"),
-            board.keys("wrong"),
-        ):
-            with pytest.raises(PermissionError):
-                await call
-        for refused in (signal.SIGKILL, signal.SIGSTOP, signal.SIGUSR1, 0):
-            with pytest.raises(ValueError, match="carries"):
-                await board.send("secret", "0.0", refused)
-        # Taken: nothing left. Timed out: nothing left.
-        await board.send("secret", "0.0", signal.SIGTERM)
-        assert await board.next_signal("secret", "0.0") == signal.SIGTERM
-        assert await board.next_signal("secret", "1.0") == 0
-        assert await board.keys("secret") == []
-        # Sent to an attempt that ended before taking it: dropped once forgotten.
-        await board.send("secret", "2.0", signal.SIGTERM)
-        assert await board.keys("secret") == ["2.0"]
-        await board.forget("secret", "2.0")
-        assert await board.keys("secret") == []
 
-    asyncio.run(scenario())
+def test_the_board_takes_channels_with_the_groups_token_only() -> None:
+    # The board's socket, without a cluster: a rank's end connects as in run().
+    import socket
+
+    from aiospawn.ray import _actor, _relay
+
+    board = _actor.SignalBoard("secret")
+    address = board.address("secret")
+    # A connection without the token is closed; its attempt gets nothing.
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as stranger:
+        stranger.connect(address)
+        stranger.sendall(b"guess 0.0\n")
+        assert stranger.recv(16) == b""
+    rank = socket.socket(fileno=_relay.connect(address, "secret", "0.0"))
+    with rank:
+        assert board.deliver(b"secret 0.0 0\nhello") is True
+        assert rank.recv(16) == b"hello"
+        rank.sendall(b"world")
+        assert board.collect("secret 0.0 10") == _actor.GOING + b"world"
+        # Pieces are written in their order, whatever order the calls start in.
+        with ThreadPoolExecutor(2) as pool:
+            later = pool.submit(board.deliver, b"secret 0.0 2\n!")
+            assert board.deliver(b"secret 0.0 1\nagain") is True
+            assert later.result(10) is True
+        received = b""
+        while len(received) < 6:
+            received += rank.recv(16)
+        assert received == b"again!"
+        board.release("secret", "0.0")
+        # The rank's end sees the end of the stream, and nothing more is taken.
+        assert rank.recv(16) == b""
+        assert board.deliver(b"secret 0.0 3\nlate") is False
+        assert board.collect("secret 0.0 0") == _actor.ENDED
+    # A rank that ends before it connects ends its stream at once.
+    board.finished("secret", "1.0")
+    assert board.collect("secret 1.0 10") == _actor.ENDED
+    assert board.deliver(b"secret 1.0 0\nlost") is False
 
 
 # ------------------------------------------------------------------ live ranks
