@@ -34,7 +34,7 @@ from ._relay import CHUNK, TAKE_WAIT
 
 #: Deliveries a link keeps in flight at most, and the bytes they carry.
 IN_FLIGHT = 8
-WINDOW = CHUNK
+WINDOW = 2 * CHUNK
 
 
 class RayLink:
