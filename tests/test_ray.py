@@ -589,7 +589,7 @@ def test_the_board_refuses_foreign_tokens_and_signals_and_prunes_its_queues(
         lambda: board.forget("wrong", "0.0"),
         lambda: board.keys("wrong"),
         lambda: board.address("wrong"),
-        lambda: board.deliver(b"wrong 0.0 0\nhello"),
+        lambda: board.deliver(b"wrong 0.0 0 0\nhello"),
         lambda: board.collect("wrong 0.0 0"),
         lambda: board.release("wrong", "0.0"),
     ):
@@ -625,15 +625,40 @@ def test_the_board_takes_channels_with_the_groups_token_only() -> None:
         assert stranger.recv(16) == b""
     rank = socket.socket(fileno=_relay.connect(address, "secret", "0.0"))
     with rank:
-        assert board.deliver(b"secret 0.0 0\nhello") is True
+        assert board.deliver(b"secret 0.0 0 0\nhello") == _actor.WRITTEN
         assert rank.recv(16) == b"hello"
         rank.sendall(b"world")
         assert board.collect("secret 0.0 10") == _actor.GOING + b"world"
+        # A delivery that polls brings the rank's answer back.
+        with ThreadPoolExecutor(1) as pool:
+            polled = pool.submit(board.deliver, b"secret 0.0 1 10\nping")
+            assert rank.recv(16) == b"ping"
+            rank.sendall(b"pong")
+            assert polled.result(10) == _actor.WRITTEN + _actor.GOING + b"pong"
+        # A rank that sends and does not read: a delivery that polls does not
+        # wait for its socket (it alone would read the rank), and writes the
+        # rest on its own, before the next piece.
+        rank.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                rank.send(bytes(65536))
+        rank.setblocking(True)
+        big = bytes(range(256)) * 4096
+        with ThreadPoolExecutor(1) as pool:
+            polled = pool.submit(board.deliver, b"secret 0.0 2 10\n" + big)
+            # Within the deadlock tripwire: a delivery that waited would wait forever.
+            assert polled.result(10) == _actor.WRITTEN + _actor.NOT_POLLED
+        while len(board.collect("secret 0.0 0")) > 1:  # what the rank sent, read
+            pass
+        received = bytearray()
+        while len(received) < len(big):
+            received += rank.recv(len(big) - len(received))
+        assert received == big
         # Pieces are written in their order, whatever order the calls start in.
         with ThreadPoolExecutor(2) as pool:
-            later = pool.submit(board.deliver, b"secret 0.0 2\n!")
-            assert board.deliver(b"secret 0.0 1\nagain") is True
-            assert later.result(10) is True
+            later = pool.submit(board.deliver, b"secret 0.0 4 0\n!")
+            assert board.deliver(b"secret 0.0 3 0\nagain") == _actor.WRITTEN
+            assert later.result(10) == _actor.WRITTEN
         received = b""
         while len(received) < 6:
             received += rank.recv(16)
@@ -641,12 +666,12 @@ def test_the_board_takes_channels_with_the_groups_token_only() -> None:
         board.release("secret", "0.0")
         # The rank's end sees the end of the stream, and nothing more is taken.
         assert rank.recv(16) == b""
-        assert board.deliver(b"secret 0.0 3\nlate") is False
+        assert board.deliver(b"secret 0.0 5 0\nlate") == _actor.NOT_WRITTEN
         assert board.collect("secret 0.0 0") == _actor.ENDED
     # A rank that ends before it connects ends its stream at once.
     board.finished("secret", "1.0")
     assert board.collect("secret 1.0 10") == _actor.ENDED
-    assert board.deliver(b"secret 1.0 0\nlost") is False
+    assert board.deliver(b"secret 1.0 0 0\nlost") == _actor.NOT_WRITTEN
 
 
 # ------------------------------------------------------------------ live ranks

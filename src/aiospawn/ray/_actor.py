@@ -176,8 +176,11 @@ SIGNAL_WAIT = 10.0
 #: Bytes one ``collect`` returns at most.
 COLLECT_BYTES = 4 * 1024 * 1024
 
-#: The flag byte before what :meth:`SignalBoard.collect` returns.
-ENDED, GOING = b"\x01", b"\x00"
+#: The flag byte before what :meth:`SignalBoard.collect` returns (and
+#: :meth:`SignalBoard.deliver` when it polls: NOT_POLLED if it could not).
+ENDED, GOING, NOT_POLLED = b"\x01", b"\x00", b"\x02"
+#: The flag byte :meth:`SignalBoard.deliver` returns first.
+WRITTEN, NOT_WRITTEN = b"\x01", b"\x00"
 
 #: The longest head of a delivery (token, key and number).
 _HEAD_LIMIT = 256
@@ -232,21 +235,47 @@ class _Connection:
         if self._using == 0 and self.released and self.sock is not None:
             self.sock.close()
 
-    def deliver(self, seq: int, data: memoryview) -> bool:
+    def deliver(self, seq: int, data: memoryview, block: bool = True) -> bool | None:
+        """Write the ``seq``-th piece: True if written, False if refused.
+
+        Without ``block``, None if the socket could not take it all at once:
+        a thread of its own writes the rest (the next piece waits for it).
+        """
         with self.changed:
             self.changed.wait_for(lambda: self.next_seq == seq or self.released)
             sock = self._use()
         written = False
         if sock is not None:
-            with contextlib.suppress(OSError):  # the rank's end is closed
-                sock.sendall(data)  # blocks while the rank does not read: back-pressure
+            try:
+                if block:
+                    sock.sendall(data)  # blocks while the rank does not read: back-pressure
+                else:
+                    sent = _send_now(sock, data)
+                    if sent < len(data):
+                        threading.Thread(
+                            target=self._write_rest,
+                            args=(sock, data[sent:], seq),
+                            name="aiospawn-board-write",
+                            daemon=True,
+                        ).start()
+                        return None
                 written = True
+            except OSError:  # the rank's end is closed
+                pass
+        self._written(sock, seq)
+        return written and not self.released
+
+    def _write_rest(self, sock: socket.socket, data: memoryview, seq: int) -> None:
+        with contextlib.suppress(OSError):  # the rank's end is closed: the next piece learns it
+            sock.sendall(data)
+        self._written(sock, seq)
+
+    def _written(self, sock: socket.socket | None, seq: int) -> None:
         with self.changed:
             if sock is not None:
                 self._done_with()
             self.next_seq = max(self.next_seq, seq + 1)
             self.changed.notify_all()
-            return written and not self.released
 
     def collect(self, wait: float) -> tuple[bytes, bool]:
         deadline = time.monotonic() + wait
@@ -291,6 +320,21 @@ class _Connection:
                     sock.shutdown(socket.SHUT_RDWR)
                 if self._using == 0:
                     sock.close()
+
+
+def _send_now(sock: socket.socket, data: memoryview) -> int:
+    """Send what the socket takes without waiting; return how much that was.
+
+    Raises:
+        OSError: The rank's end is closed.
+    """
+    sent = 0
+    while sent < len(data):
+        try:
+            sent += sock.send(data[sent:], socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            break
+    return sent
 
 
 def _read_some(sock: socket.socket, deadline: float) -> bytes:
@@ -459,28 +503,43 @@ class SignalBoard:
                 self._prune(key)
         self.release(token, key)
 
-    def deliver(self, request: bytes) -> bool:
-        """Write a piece of attempt ``key``'s frame stream to its socket.
+    def deliver(self, request: bytes) -> bytes:
+        """Write a piece of attempt ``key``'s frame stream to its socket; maybe collect after.
 
-        ``request`` is ``b"<token> <key> <seq>\\n"`` and the piece: one
-        argument, which Ray sends faster than several (measured: 0.14 ms less
-        per round trip). ``seq`` numbers the pieces; each waits until the ones
-        before it are written (Ray may start a threaded actor's calls out of
-        order), until the rank has connected, and while the rank's socket is
-        full (back-pressure).
+        ``request`` is ``b"<token> <key> <seq> <wait>\\n"`` and the piece:
+        one argument, which Ray sends faster than several (measured: 0.14 ms
+        less per round trip). ``seq`` numbers the pieces; each waits until the
+        ones before it are written (Ray may start a threaded actor's calls out
+        of order), until the rank has connected, and while the rank's socket is
+        full (back-pressure). With ``wait`` above 0 the call then does what
+        :meth:`collect` does: the rank's answer to a message comes back as the
+        return of the call that carried it, one actor call for a round trip.
 
         Returns:
-            False once the channel is released, or the rank's end is closed.
+            :data:`WRITTEN` if the piece was written (else the channel was
+            released, or the rank's end is closed); with ``wait``, what
+            :meth:`collect` returns follows.
 
         Raises:
             PermissionError: The request does not carry the group's token.
         """
         end = request.index(b"\n", 0, _HEAD_LIMIT)
-        token, key, seq = request[:end].decode("ascii").split(" ")
+        token, key, seq, wait = request[:end].decode("ascii").split(" ")
         self._check(token)
         connection = self._connection(key)
-        data = memoryview(request)[end + 1 :]
-        return False if connection is None else connection.deliver(int(seq), data)
+        if connection is None:
+            return NOT_WRITTEN + ENDED if float(wait) else NOT_WRITTEN
+        polls = float(wait) > 0
+        # A delivery that polls never blocks on a full socket: the rank may be
+        # blocked sending what only this call would read.
+        written = connection.deliver(int(seq), memoryview(request)[end + 1 :], block=not polls)
+        flag = NOT_WRITTEN if written is False else WRITTEN
+        if not polls:
+            return flag
+        if written is None:
+            return flag + NOT_POLLED  # the rest is being written: the link collects itself
+        data, ended = connection.collect(float(wait))
+        return flag + (ENDED if ended else GOING) + data
 
     def collect(self, request: str) -> bytes:
         """What the rank sent since the last call, waiting up to ``wait`` s for some.

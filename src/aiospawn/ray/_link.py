@@ -28,13 +28,17 @@ from anyio.lowlevel import checkpoint
 
 from aiospawn._rank.wire import FROM_RANK, HEADER, FrameReader
 
-from ._actor import ENDED
+from ._actor import COLLECT_BYTES, ENDED, NOT_POLLED, WRITTEN
 from ._bridge import threadsafe
 from ._relay import CHUNK, TAKE_WAIT
 
 #: Deliveries a link keeps in flight at most, and the bytes they carry.
 IN_FLIGHT = 8
 WINDOW = 2 * CHUNK
+#: The largest piece that carries the next poll, and the seconds a link waits
+#: for a send to carry it before it submits a collect of its own.
+POLL_PIECE = 64 * 1024
+POLL_GRACE = 0.002
 
 
 class RayLink:
@@ -58,7 +62,10 @@ class RayLink:
         # Incoming: chunks pulled and not yet parsed, the frame being parsed.
         self._pulled: collections.deque[memoryview] = collections.deque()
         self._reader = FrameReader(FROM_RANK)
-        self._pull: Future[Any] | None = None
+        self._pull: Future[Any] | None = None  # the call that brings what the rank sends
+        self._pull_skip = 0  # bytes before a collect's answer in the pull's result
+        self._more_waiting = False  # the last pull came back full
+        self._send_came = anyio.Event()  # a delivery that polls was submitted
         self._ended = False  # the board said the upward stream is over
         self._end_asked = False
         self.drained = anyio.Event()  #: set once nothing more can come from the rank
@@ -99,10 +106,18 @@ class RayLink:
                 assert frame is not True
                 return frame
             if self._pull is None and not deferred:
-                # Submitting a call takes the loop about 0.1 ms: the task that
-                # waits for the frame just returned runs first.
+                # The answer to what the rank just sent often comes with the
+                # next send: that delivery carries the next poll (one actor
+                # call for a round trip, where a collect of our own would add
+                # one), unless none comes within POLL_GRACE. Not when the
+                # last poll came back full: more is waiting.
                 deferred = True
-                await checkpoint()
+                if not self._more_waiting:
+                    self._send_came = anyio.Event()
+                    with anyio.move_on_after(POLL_GRACE):
+                        await self._send_came.wait()
+                else:
+                    await checkpoint()
                 continue
             self._pull_more()
             await changed.wait()
@@ -145,17 +160,24 @@ class RayLink:
     def _pull_more(self) -> None:
         if self._pull is None and not (self._ended or self._closed) and self._run is not None:
             self._pull = self._call("collect", f"{self._token} {self._key} {TAKE_WAIT}")
+            self._pull_skip = 0
 
     def _take_pull(self) -> None:
         pull, self._pull = self._pull, None
         assert pull is not None
         try:
-            answer = pull.result()
+            answer = memoryview(pull.result())[self._pull_skip :]
         except Exception:  # the board is gone: its node, or the group, is gone
-            answer = ENDED
+            answer = memoryview(ENDED)
         ended = answer[:1] == ENDED
+        if answer[:1] == NOT_POLLED:
+            # The delivery could not poll (the rank's socket was full, and the
+            # rank may be blocked sending): collect at once.
+            self._more_waiting = True
+            return
         if len(answer) > 1:
-            self._pulled.append(memoryview(answer)[1:])
+            self._pulled.append(answer[1:])
+        self._more_waiting = len(answer) > COLLECT_BYTES
         if ended:
             self._ended = True
 
@@ -191,11 +213,13 @@ class RayLink:
         if self._closed:
             raise BrokenPipeError("the channel was released")
         flights = self._flights
-        while flights and flights[0][0].done():
-            push, size = flights.popleft()
+        for flight in [flight for flight in flights if flight[0].done()]:
+            # Any order: a delivery that polls stays in flight until the rank sends.
+            flights.remove(flight)
+            push, size = flight
             self._in_flight -= size
             try:
-                taken = push.result()
+                taken = push.result()[:1] == WRITTEN
             except Exception:  # the board is gone: its node, or the group, is gone
                 taken = False
             if not taken:
@@ -211,12 +235,18 @@ class RayLink:
             if self._run.done():
                 raise BrokenPipeError(f"rank attempt {self._key} has ended")
             chunk = self._out.popleft()
-            head = f"{self._token} {self._key} {self._seq}\n".encode("ascii")
+            # A small piece carries the next poll if none is out (see receive_frame).
+            poll = self._pull is None and len(chunk) <= POLL_PIECE and not self._ended
+            wait = TAKE_WAIT if poll else 0
+            head = f"{self._token} {self._key} {self._seq} {wait}\n".encode("ascii")
             submitted = self._call("deliver", head + chunk)
             if submitted is None:
                 raise BrokenPipeError("Ray is shut down")
             self._seq += 1
             flights.append((submitted, len(chunk)))
+            if poll:
+                self._pull, self._pull_skip = submitted, len(WRITTEN)
+                self._send_came.set()
             self._in_flight += len(chunk)
             self._queued -= len(chunk)
         return not self._out
