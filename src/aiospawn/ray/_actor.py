@@ -285,20 +285,21 @@ class _Connection:
                 return b"", self.eof or self.released
             sock = self._use()
         data = b""
+        ended = False
         try:
-            # One reader at a time: a collect the supervisor gave up on may
-            # still be here, and bytes must come out in order.
+            # One reader at a time, so that bytes come out in order (the link
+            # keeps one call that polls in flight; this holds if it did not).
             if sock is not None and self._reading.acquire(timeout=max(0.0, wait)):
                 try:
                     data = _read_some(sock, deadline)
+                    ended = not data and _closed(sock)
                 finally:
                     self._reading.release()
         finally:
             with self.changed:
                 if sock is not None:
                     self._done_with()
-                if sock is not None and data == b"" and _closed(sock):
-                    self.eof = True
+                self.eof = self.eof or ended
                 ended = self.eof or self.released
         return data if not self.released else b"", ended
 

@@ -2,13 +2,17 @@
 
 The frames of a Ray rank's channel pass through the board on the rank's node
 (see ``_relay`` for the picture). Here, on the event loop:
-:meth:`RayLink.write_some` submits one ``board.deliver`` at a time and counts
-its bytes as written only once the rank's socket took them, so a full channel
-holds the supervisor's ``send()`` as a full socket would;
-:meth:`RayLink.receive_frame` keeps one ``board.collect`` in flight (a long
-poll) and parses what it returns. Calls are only submitted on the loop (each
-carries at most ``_relay.CHUNK`` bytes); their results are waited on through
-their futures (``_bridge``).
+:meth:`RayLink.write_some` submits each piece of the frame stream as one
+``board.deliver`` and counts it as written once submitted, as bytes are once a
+socket takes them; at most :data:`IN_FLIGHT` deliveries (:data:`WINDOW` bytes)
+are on their way, so a rank that does not read holds the supervisor's
+``send()`` as a full socket would. :meth:`RayLink.receive_frame` keeps one
+call in flight that returns what the rank sends (a long poll): a
+``board.collect``, or a small delivery that polls once it has written (one
+actor call for a request and its answer). Calls are only submitted on the loop
+(each carries at most ``_relay.CHUNK`` bytes, in one argument: Ray sends one
+faster than several); their results are waited on through their futures
+(``_bridge``).
 
 When the rank's ``run()`` has finished, the link tells the board (a rank that
 never connected ends its stream at once; one that did ends it when its
@@ -48,7 +52,8 @@ class RayLink:
     the rank's ``run()`` future.
     """
 
-    #: Frames carry no memfds: the board moves bytes (large buffers stay in the pickle).
+    #: Frames carry no memfds: the board moves bytes (large buffers stay in the pickle,
+    #: and Ray's object store carries the large pieces).
     shares_memory = False
 
     def __init__(self, key: str) -> None:
