@@ -635,29 +635,40 @@ def test_the_board_takes_channels_with_the_groups_token_only() -> None:
             assert rank.recv(16) == b"ping"
             rank.sendall(b"pong")
             assert polled.result(10) == _actor.WRITTEN + _actor.GOING + b"pong"
-        # A rank that sends and does not read: a delivery that polls does not
-        # wait for its socket (it alone would read the rank), and writes the
-        # rest on its own, before the next piece.
+        # A rank blocked sending, which does not read: a delivery that polls
+        # waits neither for its turn (behind a piece the rank does not take)
+        # nor for room in the socket; it reads what the rank sent, and the
+        # pieces are written in order once the rank reads again.
         rank.setblocking(False)
+        sent = 0
         with contextlib.suppress(BlockingIOError):
             while True:
-                rank.send(bytes(65536))
+                sent += rank.send(bytes(65536))
         rank.setblocking(True)
         big = bytes(range(256)) * 4096
-        with ThreadPoolExecutor(1) as pool:
-            polled = pool.submit(board.deliver, b"secret 0.0 2 10\n" + big)
+        # Not `with`: a delivery that waited forever would hang its exit.
+        pool = ThreadPoolExecutor(2)
+        try:
+            blocked = pool.submit(board.deliver, b"secret 0.0 2 0\n" + big)
+            polled = pool.submit(board.deliver, b"secret 0.0 3 10\n" + big[::-1])
             # Within the deadlock tripwire: a delivery that waited would wait forever.
-            assert polled.result(10) == _actor.WRITTEN + _actor.NOT_POLLED
-        while len(board.collect("secret 0.0 0")) > 1:  # what the rank sent, read
-            pass
-        received = bytearray()
-        while len(received) < len(big):
-            received += rank.recv(len(big) - len(received))
-        assert received == big
+            answer = polled.result(10)
+            assert answer[:2] == _actor.WRITTEN + _actor.GOING
+            got = len(answer) - 2
+            while got < sent:  # the rest of what the rank sent, read
+                got += len(board.collect("secret 0.0 10")) - 1
+            assert got == sent
+            received = bytearray()
+            while len(received) < 2 * len(big):
+                received += rank.recv(2 * len(big) - len(received))
+            assert received == big + big[::-1]
+            assert blocked.result(10) == _actor.WRITTEN
+        finally:
+            pool.shutdown(wait=False)
         # Pieces are written in their order, whatever order the calls start in.
         with ThreadPoolExecutor(2) as pool:
-            later = pool.submit(board.deliver, b"secret 0.0 4 0\n!")
-            assert board.deliver(b"secret 0.0 3 0\nagain") == _actor.WRITTEN
+            later = pool.submit(board.deliver, b"secret 0.0 5 0\n!")
+            assert board.deliver(b"secret 0.0 4 0\nagain") == _actor.WRITTEN
             assert later.result(10) == _actor.WRITTEN
         received = b""
         while len(received) < 6:
@@ -666,7 +677,7 @@ def test_the_board_takes_channels_with_the_groups_token_only() -> None:
         board.release("secret", "0.0")
         # The rank's end sees the end of the stream, and nothing more is taken.
         assert rank.recv(16) == b""
-        assert board.deliver(b"secret 0.0 5 0\nlate") == _actor.NOT_WRITTEN
+        assert board.deliver(b"secret 0.0 6 0\nlate") == _actor.NOT_WRITTEN
         assert board.collect("secret 0.0 0") == _actor.ENDED
     # A rank that ends before it connects ends its stream at once.
     board.finished("secret", "1.0")

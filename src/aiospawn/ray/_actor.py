@@ -177,8 +177,8 @@ SIGNAL_WAIT = 10.0
 COLLECT_BYTES = 4 * 1024 * 1024
 
 #: The flag byte before what :meth:`SignalBoard.collect` returns (and
-#: :meth:`SignalBoard.deliver` when it polls: NOT_POLLED if it could not).
-ENDED, GOING, NOT_POLLED = b"\x01", b"\x00", b"\x02"
+#: :meth:`SignalBoard.deliver` when it polls).
+ENDED, GOING = b"\x01", b"\x00"
 #: The flag byte :meth:`SignalBoard.deliver` returns first.
 WRITTEN, NOT_WRITTEN = b"\x01", b"\x00"
 
@@ -238,10 +238,19 @@ class _Connection:
     def deliver(self, seq: int, data: memoryview, block: bool = True) -> bool | None:
         """Write the ``seq``-th piece: True if written, False if refused.
 
-        Without ``block``, None if the socket could not take it all at once:
-        a thread of its own writes the rest (the next piece waits for it).
+        Without ``block``, None if it could not be written at once (its turn
+        has not come, or the socket is full): a thread of its own writes it,
+        or the rest of it, and the next piece waits for that.
         """
         with self.changed:
+            if not block and self.next_seq != seq and not self.released:
+                threading.Thread(
+                    target=self.deliver,
+                    args=(seq, data),
+                    name="aiospawn-board-write",
+                    daemon=True,
+                ).start()
+                return None
             self.changed.wait_for(lambda: self.next_seq == seq or self.released)
             sock = self._use()
         written = False
@@ -517,8 +526,9 @@ class SignalBoard:
         return of the call that carried it, one actor call for a round trip.
 
         Returns:
-            :data:`WRITTEN` if the piece was written (else the channel was
-            released, or the rank's end is closed); with ``wait``, what
+            :data:`WRITTEN` if the piece was written, or is being written by a
+            thread of the board (a delivery that polls); else the channel was
+            released, or the rank's end is closed. With ``wait``, what
             :meth:`collect` returns follows.
 
         Raises:
@@ -531,14 +541,12 @@ class SignalBoard:
         if connection is None:
             return NOT_WRITTEN + ENDED if float(wait) else NOT_WRITTEN
         polls = float(wait) > 0
-        # A delivery that polls never blocks on a full socket: the rank may be
-        # blocked sending what only this call would read.
+        # A delivery that polls never waits to write (for its turn, or on a
+        # full socket): the rank may be blocked sending what only it would read.
         written = connection.deliver(int(seq), memoryview(request)[end + 1 :], block=not polls)
         flag = NOT_WRITTEN if written is False else WRITTEN
         if not polls:
             return flag
-        if written is None:
-            return flag + NOT_POLLED  # the rest is being written: the link collects itself
         data, ended = connection.collect(float(wait))
         return flag + (ENDED if ended else GOING) + data
 

@@ -32,7 +32,7 @@ from anyio.lowlevel import checkpoint
 
 from aiospawn._rank.wire import FROM_RANK, HEADER, FrameReader
 
-from ._actor import COLLECT_BYTES, ENDED, NOT_POLLED, WRITTEN
+from ._actor import COLLECT_BYTES, ENDED, WRITTEN
 from ._bridge import threadsafe
 from ._relay import CHUNK, TAKE_WAIT
 
@@ -175,11 +175,6 @@ class RayLink:
         except Exception:  # the board is gone: its node, or the group, is gone
             answer = memoryview(ENDED)
         ended = answer[:1] == ENDED
-        if answer[:1] == NOT_POLLED:
-            # The delivery could not poll (the rank's socket was full, and the
-            # rank may be blocked sending): collect at once.
-            self._more_waiting = True
-            return
         if len(answer) > 1:
             self._pulled.append(answer[1:])
         self._more_waiting = len(answer) > COLLECT_BYTES
