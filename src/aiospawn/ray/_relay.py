@@ -11,16 +11,19 @@ board's listening socket::
 
     supervisor ── RayLink.write_some ── board.deliver(data) ──► socket ──► rank's Frames
     supervisor ◄── RayLink.receive_frame ── board.collect() ◄── socket ◄── rank's Frames
-                   (one collect always outstanding: a long poll)
+                   (one call that polls always outstanding: a long poll)
 
 A message's way to the rank is one actor call, and the rank's answer comes
-back as the return of the collect that was waiting for it: a round trip costs
-about one actor call. The board moves bytes, not frames: the frame stream is
-cut into pieces of at most :data:`CHUNK` bytes and parsed only at its ends.
-Ray keeps a call's argument or return value above 100 KiB in its object
-store, so large pieces travel through it. Back-pressure holds at every hop:
-the socket's buffers, the board's read-ahead (``_actor.READ_AHEAD``), one
-deliver in flight per attempt.
+back as the return of the call that polls: a small delivery made while none
+is outstanding polls once it has written, so a round trip costs one actor
+call (two replies would cost 1.35x one, measured). The board moves bytes,
+not frames: the frame stream is cut into pieces of at most :data:`CHUNK`
+bytes and parsed only at its ends. Ray keeps a call's argument or return
+value above 100 KiB in its object store, so large pieces travel through it.
+Back-pressure holds at every hop: the socket's buffers, and the deliveries a
+link keeps in flight (``_link.IN_FLIGHT``, ``_link.WINDOW``); the board reads
+the rank only when a call that polls asks, so what the supervisor does not
+take stays in the rank's socket.
 
 The socket ends the channel as a local rank's does: the rank closing its end
 or dying (the kernel closes it) is the end of the stream the supervisor
