@@ -21,6 +21,12 @@ Cases (the peers of each alternate, after one untimed warm-up each):
   failed probes, one every ``RAY_health_check_period_ms``: once on a cluster with
   the fast settings the tests use (``tests/ray_cluster.py``), once on a second
   cluster with Ray's own.
+* round trip: one rank (``tests/ray_ranks.py``), 64 B: a message sent on
+  ``ctx.channel(0)`` and the rank's echo received; ``ctx.call`` to that one
+  rank; and the floor, a method of a plain Ray actor (``PlainEcho``) on the
+  same cluster awaited from the event loop (``await ref`` on asyncio, through
+  ``aiospawn.ray._bridge`` on trio). Each trial is the median of
+  :data:`ROUND_TRIPS` round trips, after the groups and the actor are up.
 """
 
 from __future__ import annotations
@@ -55,6 +61,12 @@ if TYPE_CHECKING:
     from tests.ray_cluster import LocalCluster
 
 START_RANKS = 8
+
+#: Round trips one trial of the round-trip case times (its median is the trial's figure).
+ROUND_TRIPS = 50
+
+#: The message of the round-trip case.
+SMALL = bytes(64)
 
 
 async def _start(backend: RayBackend | None) -> Measure:
@@ -103,6 +115,77 @@ async def _node_loss(
     await anyio.to_thread.run_sync(cluster.add_worker_node)
     assert await anyio.to_thread.run_sync(cluster.wait_for_nodes, 2), "node2 did not come back"
     return {"detected [ms]": ms(detected - killed)}
+
+
+def _median_round_trip(samples: list[float]) -> Measure:
+    samples.sort()
+    return {"round trip [us]": samples[len(samples) // 2] * 1e6}
+
+
+async def _plain_actor(actor: object) -> Measure:
+    import sniffio
+
+    from aiospawn.ray._bridge import get
+
+    asyncio = sniffio.current_async_library() == "asyncio"
+    samples = []
+    for _ in range(ROUND_TRIPS):
+        began = time.perf_counter()
+        ref = actor.echo.remote(SMALL)  # type: ignore[attr-defined]
+        echoed = await ref if asyncio else await get(ref)
+        samples.append(time.perf_counter() - began)
+        assert echoed == SMALL
+    return _median_round_trip(samples)
+
+
+async def _channel(channel: aiospawn.RankChannel) -> Measure:
+    samples = []
+    for _ in range(ROUND_TRIPS):
+        began = time.perf_counter()
+        await channel.send(SMALL)
+        echoed = await channel.receive()
+        samples.append(time.perf_counter() - began)
+        assert echoed == (0, SMALL)
+    return _median_round_trip(samples)
+
+
+async def _call(ctx: aiospawn.AsyncProcessContext[object]) -> Measure:
+    samples = []
+    for _ in range(ROUND_TRIPS):
+        began = time.perf_counter()
+        answer = await ctx.call("add", 1, ranks=[0])
+        samples.append(time.perf_counter() - began)
+        assert answer == [(0, 1)]
+    return _median_round_trip(samples)
+
+
+async def round_trips(result: ScenarioResult, backend: RayBackend, trials: int) -> None:
+    """The round-trip case: aiospawn's channel and call to one Ray rank, and a plain actor call."""
+    import ray
+
+    plain = ray.remote(ray_ranks.PlainEcho).options(num_cpus=0).remote()
+    try:
+        async with (
+            aiospawn.open_group(ray_ranks.echo, nprocs=1, backend=backend) as echo,
+            aiospawn.open_group(
+                ray_ranks.serve_shard, nprocs=1, backend=backend, wait_ready=True
+            ) as served,
+        ):
+            channel = echo.channel(0)
+            assert await channel.receive() == ("hello", 0)
+            await alternate(
+                result,
+                "round trip, 64 B, one rank",
+                [
+                    Peer("plain Ray actor call", partial(_plain_actor, plain), trials, warmup=1),
+                    Peer("aiospawn channel", partial(_channel, channel), trials, warmup=1),
+                    Peer("aiospawn ctx.call", partial(_call, served), trials, warmup=1),
+                ],
+                rotate=True,
+            )
+            result.floors["round trip, 64 B, one rank"] = "plain Ray actor call"
+    finally:
+        ray.kill(plain)
 
 
 async def _on_cluster(
@@ -162,6 +245,7 @@ async def ray_backend(result: ScenarioResult, quick: bool) -> None:
                 Peer("local (spawn)", partial(_failure, None), trials, warmup=1),
             ],
         )
+        await round_trips(result, pack, trials)
         await node_loss("node loss, N=2, fast health checks")(cluster)
 
     def node_loss(case: str) -> Callable[[LocalCluster], Awaitable[None]]:

@@ -307,3 +307,10 @@ async def serve_shard_async(rank: int) -> str:
     aiospawn.ready()
     await aiospawn.serve(AsyncShard(rank))
     return "served"
+
+
+class PlainEcho:
+    """A plain Ray actor (decorated by the caller): the floor of a Ray rank's channel."""
+
+    def echo(self, message: Any) -> Any:
+        return message

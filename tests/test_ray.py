@@ -15,7 +15,6 @@ anonymous, so other jobs cannot look them up, and are found by class) and
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import math
 import os
@@ -25,6 +24,7 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -540,7 +540,8 @@ async def test_other_jobs_can_neither_find_nor_signal_our_ranks(cluster: LocalCl
     ctx = await start_ready(ray_ranks.sleep_forever, 2, backend_for(cluster), grace_period=1)
     pids = ctx.pids()
     try:
-        # Running: two rank actors and the board exist, and none has a name.
+        # Running: two rank actors and the board of their node (PACK: one node
+        # holds both) exist, and none has a name.
         assert [name.partition(":")[0] for name in our_actors()] == [
             "RankActor",
             "RankActor",
@@ -550,13 +551,15 @@ async def test_other_jobs_can_neither_find_nor_signal_our_ranks(cluster: LocalCl
         assert not [entry for entry in named if entry["name"].startswith("aiospawn-")], named
         # The handle a caller could only get from the supervisor itself.
         launcher: Any = group_of(ctx)._launcher
-        board, token = launcher._board, launcher._token
+        board, token = launcher._board_of["0.0"], launcher._token
         with pytest.raises(PermissionError, match="token"):
             await anyio.to_thread.run_sync(
                 ray.get, board.send.remote("0" * 32, "0.0", signal.SIGTERM)
             )
         with pytest.raises(PermissionError, match="token"):
             await anyio.to_thread.run_sync(ray.get, board.next_signal.remote("", "0.0"))
+        with pytest.raises(PermissionError, match="token"):
+            await anyio.to_thread.run_sync(ray.get, board.collect.remote(f"{'0' * 32} 0.0 0"))
         for refused in (signal.SIGKILL, signal.SIGSTOP, signal.SIGINT):
             with pytest.raises(ValueError, match="carries"):
                 await anyio.to_thread.run_sync(ray.get, board.send.remote(token, "0.0", refused))
@@ -574,36 +577,112 @@ async def test_other_jobs_can_neither_find_nor_signal_our_ranks(cluster: LocalCl
 def test_the_board_refuses_foreign_tokens_and_signals_and_prunes_its_queues(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # The board's own logic, without a cluster (it is a plain asyncio class).
+    # The board's own logic, without a cluster (a plain class; Ray runs its
+    # methods on threads).
     from aiospawn.ray import _actor
 
     monkeypatch.setattr(_actor, "SIGNAL_WAIT", 0.01)
+    board = _actor.SignalBoard("secret")
+    for call in (
+        lambda: board.send("wrong", "0.0", signal.SIGTERM),
+        lambda: board.next_signal("wrong", "0.0"),
+        lambda: board.forget("wrong", "0.0"),
+        lambda: board.keys("wrong"),
+        lambda: board.address("wrong"),
+        lambda: board.deliver(b"wrong 0.0 0 0\nhello"),
+        lambda: board.collect("wrong 0.0 0"),
+        lambda: board.release("wrong", "0.0"),
+    ):
+        with pytest.raises(PermissionError):
+            call()
+    for refused in (signal.SIGKILL, signal.SIGSTOP, signal.SIGUSR1, 0):
+        with pytest.raises(ValueError, match="carries"):
+            board.send("secret", "0.0", refused)
+    # Taken: nothing left. Timed out: nothing left.
+    board.send("secret", "0.0", signal.SIGTERM)
+    assert board.next_signal("secret", "0.0") == signal.SIGTERM
+    assert board.next_signal("secret", "1.0") == 0
+    assert board.keys("secret") == []
+    # Sent to an attempt that ended before taking it: dropped once forgotten.
+    board.send("secret", "2.0", signal.SIGTERM)
+    assert board.keys("secret") == ["2.0"]
+    board.forget("secret", "2.0")
+    assert board.keys("secret") == []
 
-    async def scenario() -> None:
-        board = _actor.SignalBoard("secret")
-        for call in (
-            board.send("wrong", "0.0", signal.SIGTERM),
-            board.next_signal("wrong", "0.0"),
-            board.forget("wrong", "0.0"),
-            board.keys("wrong"),
-        ):
-            with pytest.raises(PermissionError):
-                await call
-        for refused in (signal.SIGKILL, signal.SIGSTOP, signal.SIGUSR1, 0):
-            with pytest.raises(ValueError, match="carries"):
-                await board.send("secret", "0.0", refused)
-        # Taken: nothing left. Timed out: nothing left.
-        await board.send("secret", "0.0", signal.SIGTERM)
-        assert await board.next_signal("secret", "0.0") == signal.SIGTERM
-        assert await board.next_signal("secret", "1.0") == 0
-        assert await board.keys("secret") == []
-        # Sent to an attempt that ended before taking it: dropped once forgotten.
-        await board.send("secret", "2.0", signal.SIGTERM)
-        assert await board.keys("secret") == ["2.0"]
-        await board.forget("secret", "2.0")
-        assert await board.keys("secret") == []
 
-    asyncio.run(scenario())
+def test_the_board_takes_channels_with_the_groups_token_only() -> None:
+    # The board's socket, without a cluster: a rank's end connects as in run().
+    import socket
+
+    from aiospawn.ray import _actor, _relay
+
+    board = _actor.SignalBoard("secret")
+    address = board.address("secret")
+    # A connection without the token is closed; its attempt gets nothing.
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as stranger:
+        stranger.connect(address)
+        stranger.sendall(b"guess 0.0\n")
+        assert stranger.recv(16) == b""
+    rank = socket.socket(fileno=_relay.connect(address, "secret", "0.0"))
+    with rank:
+        assert board.deliver(b"secret 0.0 0 0\nhello") == _actor.WRITTEN
+        assert rank.recv(16) == b"hello"
+        rank.sendall(b"world")
+        assert board.collect("secret 0.0 10") == _actor.GOING + b"world"
+        # A delivery that polls brings the rank's answer back.
+        with ThreadPoolExecutor(1) as pool:
+            polled = pool.submit(board.deliver, b"secret 0.0 1 10\nping")
+            assert rank.recv(16) == b"ping"
+            rank.sendall(b"pong")
+            assert polled.result(10) == _actor.WRITTEN + _actor.GOING + b"pong"
+        # A rank blocked sending, which does not read: a delivery that polls
+        # waits neither for its turn (behind a piece the rank does not take)
+        # nor for room in the socket; it reads what the rank sent, and the
+        # pieces are written in order once the rank reads again.
+        rank.setblocking(False)
+        sent = 0
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                sent += rank.send(bytes(65536))
+        rank.setblocking(True)
+        big = bytes(range(256)) * 4096
+        # Not `with`: a delivery that waited forever would hang its exit.
+        pool = ThreadPoolExecutor(2)
+        try:
+            blocked = pool.submit(board.deliver, b"secret 0.0 2 0\n" + big)
+            polled = pool.submit(board.deliver, b"secret 0.0 3 10\n" + big[::-1])
+            # Within the deadlock tripwire: a delivery that waited would wait forever.
+            answer = polled.result(10)
+            assert answer[:2] == _actor.WRITTEN + _actor.GOING
+            got = len(answer) - 2
+            while got < sent:  # the rest of what the rank sent, read
+                got += len(board.collect("secret 0.0 10")) - 1
+            assert got == sent
+            received = bytearray()
+            while len(received) < 2 * len(big):
+                received += rank.recv(2 * len(big) - len(received))
+            assert received == big + big[::-1]
+            assert blocked.result(10) == _actor.WRITTEN
+        finally:
+            pool.shutdown(wait=False)
+        # Pieces are written in their order, whatever order the calls start in.
+        with ThreadPoolExecutor(2) as pool:
+            later = pool.submit(board.deliver, b"secret 0.0 5 0\n!")
+            assert board.deliver(b"secret 0.0 4 0\nagain") == _actor.WRITTEN
+            assert later.result(10) == _actor.WRITTEN
+        received = b""
+        while len(received) < 6:
+            received += rank.recv(16)
+        assert received == b"again!"
+        board.release("secret", "0.0")
+        # The rank's end sees the end of the stream, and nothing more is taken.
+        assert rank.recv(16) == b""
+        assert board.deliver(b"secret 0.0 6 0\nlate") == _actor.NOT_WRITTEN
+        assert board.collect("secret 0.0 0") == _actor.ENDED
+    # A rank that ends before it connects ends its stream at once.
+    board.finished("secret", "1.0")
+    assert board.collect("secret 1.0 10") == _actor.ENDED
+    assert board.deliver(b"secret 1.0 0 0\nlost") == _actor.NOT_WRITTEN
 
 
 # ------------------------------------------------------------------ live ranks
@@ -961,3 +1040,119 @@ async def test_an_async_rank_serves_with_async_handler_methods(
             # The handler's error did not end serving.
             assert await ctx.call("add", 1) == [(0, 1), (1, 1)]
     assert ctx.results == ["served", "served"]
+
+
+# ------------------------------------------------------- the board on the node
+# A rank's channel is a Unix socket to the board on its node, which the
+# supervisor calls directly (``aiospawn.ray._relay``).
+
+#: Sizes of the payloads echoed both ways: one piece, an out-of-band array past
+#: Ray's 100 KiB inline limit (the object store carries it), and one of several
+#: pieces of ``_relay.CHUNK`` (4 MiB), more than the window holds at once.
+ECHO_SIZES = (64, 256 * 1024, 3 * 1024 * 1024 + 8, 12 * 1024 * 1024 + 24)
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_numpy_and_torch_payloads_of_every_size_go_both_ways(cluster: LocalCluster) -> None:
+    torch = pytest.importorskip("torch", reason="the torch cases need torch==2.13.0")
+    payloads: list[Any] = []
+    for size in ECHO_SIZES:
+        payloads.append(numpy.arange(size // 8, dtype=numpy.float64))
+        payloads.append(numpy.asfortranarray(numpy.arange(size // 4, dtype=numpy.int32)))
+        payloads.append(torch.arange(size // 4, dtype=torch.float32))
+        payloads.append({"mixed": [numpy.ones(size // 8), bytes(size // 2)]})
+    with tripwire(120, "numpy and torch payloads through a Ray rank's board"):
+        async with aiospawn.open_group(
+            ray_ranks.echo, nprocs=1, backend=backend_for(cluster)
+        ) as ctx:
+            channel = ctx.channel(0)
+            assert await channel.receive() == ("hello", 0)
+            # All sent before any is received: the pieces of several messages
+            # are in flight at once, and must reach the rank in order.
+            async with anyio.create_task_group() as tg:
+
+                async def send_all() -> None:
+                    for payload in payloads:
+                        await channel.send(payload)
+
+                tg.start_soon(send_all)
+                for sent in payloads:
+                    rank, echoed = await channel.receive()
+                    assert rank == 0
+                    if isinstance(sent, dict):
+                        numpy.testing.assert_array_equal(echoed["mixed"][0], sent["mixed"][0])
+                        assert echoed["mixed"][1] == sent["mixed"][1]
+                    elif isinstance(sent, numpy.ndarray):
+                        numpy.testing.assert_array_equal(echoed, sent)
+                        assert echoed.flags.f_contiguous == sent.flags.f_contiguous
+                    else:
+                        assert torch.equal(echoed, sent)
+
+
+async def test_a_receive_cancelled_on_a_ray_rank_loses_nothing(cluster: LocalCluster) -> None:
+    with tripwire(60, "a cancelled receive on a Ray rank"):
+        async with aiospawn.open_group(
+            ray_ranks.echo, nprocs=1, backend=backend_for(cluster)
+        ) as ctx:
+            channel = ctx.channel(0)
+            assert await channel.receive() == ("hello", 0)
+            for message in ("first", "second"):
+                # A receive waiting on the board's long poll, cancelled: the
+                # poll stays, and what it brings waits for the next receive.
+                with anyio.CancelScope() as scope:
+
+                    async def cancel_soon(scope: anyio.CancelScope = scope) -> None:
+                        await anyio.wait_all_tasks_blocked()
+                        scope.cancel()
+
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(cancel_soon)
+                        await channel.receive()
+                assert scope.cancelled_caught
+                await channel.send(message)
+                assert await channel.receive() == (0, message)
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_rank_killed_mid_round_trip_fails_both_ends(cluster: LocalCluster) -> None:
+    ctx = await aiospawn.start_processes(
+        ray_ranks.echo, nprocs=1, join=False, backend=backend_for(cluster)
+    )
+    try:
+        with tripwire(60, "a round trip with a Ray rank killed mid-way"):
+            await ctx.wait_ready()
+            channel = ctx.channel(0)
+            assert await channel.receive() == ("hello", 0)
+            (pid,) = ctx.pids()
+            # The rank echoes a message of several pieces; it is killed (by
+            # nobody the supervisor knows of) while the pieces are on their
+            # way and the supervisor waits for the echo.
+            failures: list[BaseException] = []
+
+            async def send_big() -> None:
+                try:
+                    for _ in range(4):
+                        await channel.send(bytes(12 * 1024 * 1024))
+                except aiospawn.ProcessException as exc:
+                    failures.append(exc)
+
+            async def receive_to_the_end() -> None:
+                while True:
+                    await channel.receive()
+
+            await channel.send("ping")
+            assert await channel.receive() == (0, "ping")
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(send_big)
+                # The first echo is back: the next messages' pieces are on their way.
+                assert await channel.receive() == (0, bytes(12 * 1024 * 1024))
+                os.kill(pid, signal.SIGKILL)
+                with pytest.raises(ProcessExitedException) as caught:
+                    await receive_to_the_end()
+            assert caught.value.exit_code == -signal.SIGKILL
+            assert all(isinstance(exc, ProcessExitedException) for exc in failures)
+            with pytest.raises(ProcessExitedException):
+                await channel.send("too late")
+    finally:
+        await ctx.terminate()
+    assert_gone([pid])

@@ -30,9 +30,10 @@ them raises ``ValueError`` before anything is reserved.
 (``pip install "aiospawn[ray]"``).
 
 Layout and import rule: this public package holds private modules,
-``_launcher`` (the group's launcher: placement, actors, signal board),
+``_launcher`` (the group's launcher: placement, actors, a board per node),
 ``_rank`` (one rank attempt's handle), ``_actor`` (the classes that run on
-the cluster), ``_bridge`` (Ray futures to the event loop). They may import
+the cluster), ``_link`` and ``_relay`` (a rank's channel, through the board on
+its node), ``_bridge`` (Ray futures to the event loop). They may import
 the standard library, anyio, ray (lazily: never at import time),
 ``aiospawn._core`` and ``aiospawn._rank``; never ``aiospawn._local``.
 """

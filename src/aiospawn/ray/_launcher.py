@@ -6,18 +6,25 @@ The supervisor side of ``aiospawn.ray.RayBackend``; the cluster side is
     open()   connect (once per process) ─► placement group, one bundle per rank,
              reserved all at once or not at all (placement_timeout) ─► layout:
              which node each rank runs on, local ranks, node ranks
-    start()  one actor per rank, pinned to its bundle ─► describe() (pid, node)
-             and rank 0's free port ─► run(fn, rank, args, env) submitted
+             ─► a board on each node of the layout, and its socket
+    start()  a board on each node of the layout that has none yet ─► one actor
+             per rank, pinned to its bundle ─► describe() (pid, node) and rank
+             0's free port ─► run(fn, rank, args, env, board's socket) submitted
     wait()   the run() result is the rank's sentinel (``_rank``), waited
              on through its future (``_bridge``), never a blocking ray.get
-    stop     SIGTERM through the group's SignalBoard, with the group's token;
-             SIGKILL is ray.kill
-    aclose() kill every actor and the board, remove the placement group
+    stop     SIGTERM through the SignalBoard on the rank's node, with the
+             group's token; SIGKILL is ray.kill
+    aclose() kill every actor and every board, remove the placement group
 
-Neither the board nor the rank actors are named: Ray lists named actors to
+Neither the boards nor the rank actors are named: Ray lists named actors to
 every job on the cluster (``ray.util.list_named_actors``), and a name is all
 ``ray.get_actor`` needs. The launcher holds their handles, and the ranks get
-the board's handle and token in ``run()``. The placement group keeps a name,
+their board's handle, socket and token in ``run()``.
+
+A board sits on each node that runs ranks of the group (pinned there, no
+CPU): a rank's channel is a Unix socket to it, so a message costs one actor
+call from the supervisor to the board, and a hop on the node (``_relay``).
+It is lost only with its node, whose ranks are lost with it. The placement group keeps a name,
 which gives no way to reach the ranks.
 
 Calls that talk to Ray's control service and may wait on it (creating the
@@ -45,12 +52,10 @@ from aiospawn._core._concurrency import run_to_completion
 from aiospawn._core._env import rank_environment, torchrun_environment
 from aiospawn._core._spec import LaunchSpec
 
+from ._actor import CALLS_PER_RANK, SPARE_CALLS
 from ._bridge import get
 from ._link import RayLink
 from ._rank import RayRank
-
-#: A resource only Ray's head node has.
-HEAD_NODE_RESOURCE = "node:__internal_head__"
 
 #: Serialises ``ray.init``: two groups opening at once must not both connect.
 _connect_lock = threading.Lock()
@@ -152,7 +157,10 @@ class RayLauncher:
         self._name = f"aiospawn-{uuid.uuid4().hex[:12]}"
         self._token = secrets.token_hex(16)  # asked of every call to the board
         self._pg: Any = None
-        self._board: Any = None
+        #: The boards, by node id: (handle, socket address).
+        self._boards: dict[str, tuple[Any, str]] = {}
+        #: The board of each started attempt, by key ("rank.restart").
+        self._board_of: dict[str, Any] = {}
         self._slots: list[Slot] = []
         self._actors: list[Any] = []  # every actor made, for aclose()
         self._master_port: int | None = None
@@ -196,22 +204,46 @@ class RayLauncher:
                 strategy=options.placement,
                 name=self._name,
             )
-            # On the head node, which holds Ray's control service: the board is
-            # lost only with the cluster, never in the loss of a rank's node.
-            # (Ray Train places its state actor the same way.)
-            board = _actor_class("SignalBoard").options(
-                num_cpus=0,
-                resources={HEAD_NODE_RESOURCE: 0.001},
-                # Waiting calls per running rank, and one per stop request:
-                # past Ray's default of 1000, a stop would queue behind them.
-                # Per running rank: its signal wait, and the four ends of its
-                # channel (each of which may wait on a full or empty pipe).
-                max_concurrency=max(1000, 8 * nprocs),
-            )
-            self._board = board.remote(self._token)
 
         await anyio.to_thread.run_sync(create)
         await self._placed()
+        await self._make_boards({slot.node_id for slot in self._slots})
+
+    async def _make_boards(self, wanted: set[str]) -> None:
+        """Start a board on each node of ``wanted`` that has none (together); learn its socket."""
+        nodes = sorted(wanted - set(self._boards))
+        if not nodes:
+            return
+
+        def create() -> dict[str, Any]:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            made = {}
+            for node in nodes:
+                made[node] = (
+                    _actor_class("SignalBoard")
+                    .options(
+                        num_cpus=0,
+                        scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+                        # A thread per call that may wait (see CALLS_PER_RANK).
+                        max_concurrency=CALLS_PER_RANK * self._spec.nprocs + SPARE_CALLS,
+                    )
+                    .remote(self._token)
+                )
+                self._actors.append(made[node])
+            return made
+
+        made = await anyio.to_thread.run_sync(create)
+        addresses: dict[str, str] = {}
+
+        async def address(node: str) -> None:
+            addresses[node] = await get(made[node].address.remote(self._token))
+
+        async with anyio.create_task_group() as tg:
+            for node in nodes:
+                tg.start_soon(address, node)
+        for node in nodes:
+            self._boards[node] = (made[node], addresses[node])
 
     async def _placed(self) -> None:
         """Wait until every bundle is placed; learn where (see :func:`layout`)."""
@@ -241,7 +273,7 @@ class RayLauncher:
 
     def make_rank(self, index: int, restart: int) -> RayRank:
         """Create, without starting, attempt number ``restart`` of rank ``index``."""
-        link = RayLink(self._board, self._token, f"{index}.{restart}")
+        link = RayLink(f"{index}.{restart}")
         return RayRank(index, restart, ray=self.ray, post=self.send, forget=self._forget, link=link)
 
     async def start(self, handles: Sequence[RankHandle]) -> None:
@@ -281,10 +313,17 @@ class RayLauncher:
                 if wants_port and first is not None:
                     tg.start_soon(ask_port, first)
             if not errors:
+                # Where each rank runs now: a rank restarted alone after its
+                # node was lost runs where Ray placed its bundle again.
+                nodes = {rank.node[0] for rank in ranks if rank.node is not None}
+                await self._make_boards(nodes)
                 work = await anyio.to_thread.run_sync(self._put_work)
                 for rank in ranks:
                     env = self._environment(rank.rank, rank.restart)
-                    rank.begin(work, env, self._board, self._token, self._spec.rank_loop)
+                    assert rank.node is not None
+                    board, address = self._boards[rank.node[0]]
+                    self._board_of[f"{rank.rank}.{rank.restart}"] = board
+                    rank.begin(work, env, board, address, self._token, self._spec.rank_loop)
         finally:
             unstarted = [rank.actor for rank in ranks if not rank.started]
             if unstarted:
@@ -349,22 +388,23 @@ class RayLauncher:
         self._master_port = None
 
     def send(self, key: str, signum: int) -> None:
-        """Post ``signum`` for the rank attempt ``key`` on the board (does not wait)."""
-        self._board.send.remote(self._token, key, signum)
+        """Post ``signum`` for the rank attempt ``key`` on its board (does not wait)."""
+        self._board_of[key].send.remote(self._token, key, signum)
 
     def _forget(self, key: str) -> None:
         """Let the board drop what it holds for the ended attempt ``key`` (does not wait)."""
-        if not self._closed:
+        board = self._board_of.pop(key, None)
+        if not self._closed and board is not None:
             with contextlib.suppress(Exception):
-                self._board.forget.remote(self._token, key)
+                board.forget.remote(self._token, key)
 
     async def aclose(self) -> None:
-        """Kill every actor and the board, and remove the placement group. Idempotent."""
+        """Kill every actor and every board, and remove the placement group. Idempotent."""
         if self._closed:
             await checkpoint()
             return
         self._closed = True
-        actors = [*self._actors, self._board]
+        actors = list(self._actors)
         pg, self._pg = self._pg, None
 
         def release() -> None:

@@ -1,19 +1,24 @@
-"""The supervisor's end of a Ray rank's channel (see ``_core._backend.Link``), over the board.
+"""The supervisor's end of a Ray rank's channel (see ``_core._backend.Link``), through its board.
 
-The frames of a Ray rank's channel pass through the group's board (see
-``_relay`` for the picture). Here, on the event loop: :meth:`RayLink.write_some`
-submits one ``board.put("down")`` at a time and counts its bytes as written
-only once the board took them, so a full channel holds the supervisor's
-``send()`` as a full socket would; :meth:`RayLink.receive_frame` keeps one
-``board.take("up")`` in flight (a long poll) and parses what it returns.
-Calls are only submitted on the loop (each carries at most ``_relay.CHUNK``
-bytes); their results are waited on through their futures (``_bridge``).
+The frames of a Ray rank's channel pass through the board on the rank's node
+(see ``_relay`` for the picture). Here, on the event loop:
+:meth:`RayLink.write_some` submits each piece of the frame stream as one
+``board.deliver`` and counts it as written once submitted, as bytes are once a
+socket takes them; at most :data:`IN_FLIGHT` deliveries (:data:`WINDOW` bytes)
+are on their way, so a rank that does not read holds the supervisor's
+``send()`` as a full socket would. :meth:`RayLink.receive_frame` keeps one
+call in flight that returns what the rank sends (a long poll): a
+``board.collect``, or a small delivery that polls once it has written (one
+actor call for a request and its answer). Calls are only submitted on the loop
+(each carries at most ``_relay.CHUNK`` bytes, in one argument: Ray sends one
+faster than several); their results are waited on through their futures
+(``_bridge``).
 
-When the rank's ``run()`` has finished, the link asks the board to end the
-upward stream (what the rank relayed is still delivered, then the end: a
-rank killed with a receive pending ends it promptly) and pulls it to its end
-on its own, so that what the rank sent before it exited stays receivable:
-the rank's exit waits for :attr:`RayLink.drained`.
+When the rank's ``run()`` has finished, the link tells the board (a rank that
+never connected ends its stream at once; one that did ends it when its
+socket closes, which the kernel does for a killed rank) and pulls the stream
+to its end on its own, so that what the rank sent before it exited stays
+receivable: the rank's exit waits for :attr:`RayLink.drained`.
 """
 
 from __future__ import annotations
@@ -27,8 +32,17 @@ from anyio.lowlevel import checkpoint
 
 from aiospawn._rank.wire import FROM_RANK, HEADER, FrameReader
 
+from ._actor import COLLECT_BYTES, ENDED, WRITTEN
 from ._bridge import threadsafe
 from ._relay import CHUNK, TAKE_WAIT
+
+#: Deliveries a link keeps in flight at most, and the bytes they carry.
+IN_FLIGHT = 8
+WINDOW = 2 * CHUNK
+#: The largest piece that carries the next poll, and the seconds a link waits
+#: for a send to carry it before it submits a collect of its own.
+POLL_PIECE = 64 * 1024
+POLL_GRACE = 0.002
 
 
 class RayLink:
@@ -38,11 +52,14 @@ class RayLink:
     the rank's ``run()`` future.
     """
 
-    #: Frames carry no memfds: the board moves bytes (large buffers stay in the pickle).
+    #: Frames carry no memfds: the board moves bytes (large buffers stay in the pickle,
+    #: and Ray's object store carries the large pieces).
     shares_memory = False
 
-    def __init__(self, board: Any, token: str, key: str) -> None:
-        self._board, self._token, self._key = board, token, key
+    def __init__(self, key: str) -> None:
+        self._board: Any = None
+        self._token = ""
+        self._key = key
         self._poke_soon = threadsafe(self._poke)
         self._changed = anyio.Event()
         self._run: Future[Any] | None = None
@@ -50,18 +67,30 @@ class RayLink:
         # Incoming: chunks pulled and not yet parsed, the frame being parsed.
         self._pulled: collections.deque[memoryview] = collections.deque()
         self._reader = FrameReader(FROM_RANK)
-        self._pull: Future[Any] | None = None
+        self._pull: Future[Any] | None = None  # the call that brings what the rank sends
+        self._pull_skip = 0  # bytes before a collect's answer in the pull's result
+        self._more_waiting = False  # the last pull came back full
+        self._send_came = anyio.Event()  # a delivery that polls was submitted
         self._ended = False  # the board said the upward stream is over
         self._end_asked = False
         self.drained = anyio.Event()  #: set once nothing more can come from the rank
-        # Outgoing: chunks not yet submitted, the put in flight and its size.
+        # Outgoing: pieces not yet submitted; deliveries in flight, with their sizes.
         self._out: collections.deque[bytes | memoryview] = collections.deque()
         self._queued = 0
-        self._push: Future[Any] | None = None
-        self._push_size = 0
+        self._flights: collections.deque[tuple[Future[Any], int]] = collections.deque()
+        self._in_flight = 0
+        self._seq = 0  # the number of the next delivery: the board writes them in order
+        self._refused = False  # a delivery was refused: the rank's end is closed
 
-    def attach(self, run: Future[Any]) -> None:
-        """The rank's ``run()`` was submitted: its end ends the channel. On the loop."""
+    def attach(self, run: Future[Any], board: Any, token: str) -> None:
+        """The rank's ``run()`` was submitted: its end ends the channel. On the loop.
+
+        Args:
+            run: The future of the rank's ``run()``.
+            board: The board on the rank's node, which holds the board's end.
+            token: The group's token, which the board asks of every call.
+        """
+        self._board, self._token = board, token
         self._run = run
         run.add_done_callback(lambda _: self._poke_soon())
         self._poke()
@@ -74,12 +103,27 @@ class RayLink:
         Raises:
             FrameError: The rank sent a header that breaks the format.
         """
+        deferred = False
         while True:
             changed = self._changed
             frame = self.frame_now()
             if frame is not False:
                 assert frame is not True
                 return frame
+            if self._pull is None and not deferred:
+                # The answer to what the rank just sent often comes with the
+                # next send: that delivery carries the next poll (one actor
+                # call for a round trip, where a collect of our own would add
+                # one), unless none comes within POLL_GRACE. Not when the
+                # last poll came back full: more is waiting.
+                deferred = True
+                if not self._more_waiting:
+                    self._send_came = anyio.Event()
+                    with anyio.move_on_after(POLL_GRACE):
+                        await self._send_came.wait()
+                else:
+                    await checkpoint()
+                continue
             self._pull_more()
             await changed.wait()
 
@@ -120,17 +164,20 @@ class RayLink:
 
     def _pull_more(self) -> None:
         if self._pull is None and not (self._ended or self._closed) and self._run is not None:
-            wait = 0.0 if self._run.done() else TAKE_WAIT
-            self._pull = self._submit("take", "up", wait)
+            self._pull = self._call("collect", f"{self._token} {self._key} {TAKE_WAIT}")
+            self._pull_skip = 0
 
     def _take_pull(self) -> None:
         pull, self._pull = self._pull, None
         assert pull is not None
         try:
-            chunks, ended = pull.result()
-        except Exception:  # the board is gone: the group is being torn down
-            chunks, ended = [], True
-        self._pulled.extend(memoryview(chunk) for chunk in chunks)
+            answer = memoryview(pull.result())[self._pull_skip :]
+        except Exception:  # the board is gone: its node, or the group, is gone
+            answer = memoryview(ENDED)
+        ended = answer[:1] == ENDED
+        if len(answer) > 1:
+            self._pulled.append(answer[1:])
+        self._more_waiting = len(answer) > COLLECT_BYTES
         if ended:
             self._ended = True
 
@@ -148,57 +195,83 @@ class RayLink:
 
     @property
     def queued(self) -> int:
-        """Bytes queued and not yet taken by the board."""
+        """Bytes queued and not yet handed to Ray (a full window holds them here)."""
         return self._queued
 
     def write_some(self) -> bool:
-        """Submit the next chunk if none is in flight; True once the board took everything.
+        """Submit what the window takes now; True once everything queued is submitted.
+
+        A piece counts as written once submitted, as bytes do once a socket
+        takes them: up to :data:`IN_FLIGHT` deliveries (and :data:`WINDOW`
+        bytes) may wait in Ray and in the board, which writes them in order.
 
         Raises:
-            BrokenPipeError: The channel was released, or the rank has ended
-                with frames still to go.
+            BrokenPipeError: The channel was released, a delivery was refused
+                (the rank's end is closed), or the rank has ended with frames
+                still to go.
         """
         if self._closed:
             raise BrokenPipeError("the channel was released")
-        push = self._push
-        if push is not None:
-            if not push.done():
-                if self._over():
-                    # Nobody takes it: the chunk waits in the board until the
-                    # channel is released. The rank's end is closed.
-                    raise BrokenPipeError(f"rank attempt {self._key} has ended")
-                return False
-            self._push = None
+        flights = self._flights
+        for flight in [flight for flight in flights if flight[0].done()]:
+            # Any order: a delivery that polls stays in flight until the rank sends.
+            flights.remove(flight)
+            push, size = flight
+            self._in_flight -= size
             try:
-                taken = push.result()
-            except Exception:  # the board is gone
+                taken = push.result()[:1] == WRITTEN
+            except Exception:  # the board is gone: its node, or the group, is gone
                 taken = False
             if not taken:
-                raise BrokenPipeError(f"the channel of rank attempt {self._key} was released")
-            self._queued -= self._push_size
-        if not self._out:
-            return True
-        if self._run is not None and self._run.done():
+                self._refused = True
+        if self._refused:
+            raise BrokenPipeError(f"the channel of rank attempt {self._key} is closed")
+        if flights and self._over():
+            # Nobody takes them: the rank's end is closed.
             raise BrokenPipeError(f"rank attempt {self._key} has ended")
-        chunk = self._out.popleft()
-        self._push_size = len(chunk)
-        self._push = self._submit("put", "down", bytes(chunk))
-        if self._push is None:
-            raise BrokenPipeError("Ray is shut down")
-        return False
+        if self._run is None:
+            return not self._out  # not started yet: attach() wakes the writer
+        while self._out and len(flights) < IN_FLIGHT and self._in_flight < WINDOW:
+            if self._run.done():
+                raise BrokenPipeError(f"rank attempt {self._key} has ended")
+            chunk = self._out.popleft()
+            # A small piece carries the next poll if none is out (see receive_frame).
+            poll = self._pull is None and len(chunk) <= POLL_PIECE and not self._ended
+            wait = TAKE_WAIT if poll else 0
+            head = f"{self._token} {self._key} {self._seq} {wait}\n".encode("ascii")
+            submitted = self._call("deliver", head + chunk)
+            if submitted is None:
+                raise BrokenPipeError("Ray is shut down")
+            self._seq += 1
+            flights.append((submitted, len(chunk)))
+            if poll:
+                self._pull, self._pull_skip = submitted, len(WRITTEN)
+                self._send_came.set()
+            self._in_flight += len(chunk)
+            self._queued -= len(chunk)
+        return not self._out
 
     async def wait_writable(self) -> None:
-        """Wait until the chunk in flight is taken (or the rank has ended)."""
+        """Wait until a delivery in flight is answered (or the rank has ended)."""
         changed = self._changed
-        push = self._push
-        if push is None or push.done() or self._closed or self._over():
+        if (
+            not self._flights
+            or self._flights[0][0].done()
+            or self._closed
+            or self._over()
+            or (
+                self._run is not None
+                and len(self._flights) < IN_FLIGHT
+                and self._in_flight < WINDOW
+            )
+        ):
             await checkpoint()
             return
         await changed.wait()
 
     def _over(self) -> bool:
-        # The rank's run() has finished and the board has answered since: a
-        # put still unanswered was not taken before the rank ended.
+        # The rank's run() has finished and its stream has been read to the
+        # end since: a delivery still unanswered was not taken before the end.
         return self._run is not None and self._run.done() and self.drained.is_set()
 
     # ------------------------------------------------------------- both
@@ -223,10 +296,14 @@ class RayLink:
             self._submit("release")
         self._poke()
 
-    def _submit(self, method: str, *args: Any) -> Future[Any] | None:
+    def _submit(self, method: str) -> Future[Any] | None:
+        """Submit a board call about this attempt (does not wait); its end wakes the link."""
+        return self._call(method, self._token, self._key)
+
+    def _call(self, method: str, *args: Any) -> Future[Any] | None:
         """Submit a board call (does not wait); its end wakes the link."""
         try:
-            ref = getattr(self._board, method).remote(self._token, self._key, *args)
+            ref = getattr(self._board, method).remote(*args)
         except Exception:  # Ray is shut down: nothing will answer
             self._ended = True
             return None
@@ -244,7 +321,7 @@ class RayLink:
         # The rank has ended: pull what it relayed to the end, on our own.
         if not self._end_asked and not self._closed:
             self._end_asked = True
-            self._submit("end", "up")
+            self._submit("finished")
         if self._pull is not None and self._pull.done():
             self._take_pull()
         if self._ended or self._closed:

@@ -99,13 +99,24 @@ class RayRank:
         node_id, address, pid = description
         self._node, self._pid = (node_id, address), pid
 
-    def begin(self, work: Any, env: dict[str, str], board: Any, token: str, loop: str) -> None:
-        """Submit ``run()``; its result is the rank's sentinel. On the event loop."""
-        ref = self.actor.run.remote(work, self.rank, env, self.restart, board, token, loop)
+    def begin(
+        self, work: Any, env: dict[str, str], board: Any, address: str, token: str, loop: str
+    ) -> None:
+        """Submit ``run()``; its result is the rank's sentinel. On the event loop.
+
+        Args:
+            work: The object reference of ``(fn, args)``, pickled.
+            env: The rank's environment.
+            board: The board on the rank's node.
+            address: The board's socket, which the rank's channel connects to.
+            token: The group's token.
+            loop: The event loop of an ``async def fn``.
+        """
+        ref = self.actor.run.remote(work, self.rank, env, self.restart, board, token, loop, address)
         self._future = ref.future()
         # One wake-up per attempt, however often the rank is waited for.
         self._done = done_event(self._future)
-        self.link.attach(self._future)
+        self.link.attach(self._future, board, token)
 
     def poll(self) -> RankExit | None:
         """Return the exit if ``run()`` has finished, without waiting.
