@@ -41,7 +41,7 @@ from typing import Any, final
 import anyio
 import anyio.abc
 import anyio.to_thread
-from anyio.lowlevel import checkpoint
+from anyio.lowlevel import checkpoint, checkpoint_if_cancelled
 
 from aiospawn._rank.buffers import Mapped, Packed
 from aiospawn._rank.wire import CALL_ID, FrameError, Payload, call_id_of
@@ -182,6 +182,8 @@ class Conversation:
         self._inbox: collections.deque[Payload] = collections.deque()
         self._inbox_bytes = 0
         self._replies: dict[int, Payload | None] = {}
+        #: Call id -> what wakes its caller when the reply comes (or none can).
+        self._callers: dict[int, Broadcast] = {}
         # One wake-up per kind of change, so that each waits only for its own.
         self._arrived = Broadcast()  # a frame was sorted, or the stream ended
         self._room = Broadcast()  # the inbox has room again
@@ -264,6 +266,7 @@ class Conversation:
             self._link.close()
             for change in (self._arrived, self._room, self._to_write, self._written):
                 change.notify()
+            self._wake_callers()
 
     def close_sending(self) -> None:
         """:meth:`send_eof` without waiting: the writer sends the frame as the socket takes it."""
@@ -299,19 +302,25 @@ class Conversation:
 
     async def send(self, item: Any) -> None:
         """:meth:`RankChannel.send`."""
-        await checkpoint()
+        await checkpoint_if_cancelled()
         self._check_sendable()
         packed = await encode(item, self._link.shares_memory)
         try:
             await self._send_frame(Kind.MESSAGE | packed.flag, packed.body, fd=packed.fd)
         finally:
             packed.close()  # the queue holds a copy of its own
+        # The checkpoint's yield comes once the frame is out, while the rank
+        # reads it, rather than before, where it adds to the message's latency.
+        await checkpoint()
 
     async def receive(self) -> Any:
         """:meth:`RankChannel.receive`."""
-        await checkpoint()
+        await checkpoint_if_cancelled()
         async with self._receive_lock:
-            await self._wait_for(lambda: bool(self._inbox))
+            if self._inbox or self._ended:
+                await checkpoint()  # a checkpoint even when nothing is waited for
+            else:  # the wait is the checkpoint
+                await self._wait_for(lambda: bool(self._inbox))
             if self._closed:
                 raise anyio.ClosedResourceError
             if self._inbox:
@@ -353,50 +362,58 @@ class Conversation:
             self.release()
         await checkpoint()
 
-    async def call(self, call_id: int, request: Packed) -> Payload:
-        """Send one CALL frame and wait for its REPLY's payload.
+    async def start_call(self, call_id: int, request: Packed, answered: Broadcast) -> None:
+        """Queue one CALL frame; ``answered`` is notified when its reply comes, or none can.
 
         ``request`` may go to several ranks: each queue holds a copy of its
-        memfd, and the caller closes its own.
+        memfd, and the caller closes its own. The caller then reads
+        :meth:`reply` and :meth:`unanswerable` each time ``answered`` wakes it,
+        and calls :meth:`end_call` whatever happens.
 
         Raises:
-            ProcessException: The rank failed before it answered.
-            anyio.BrokenResourceError: The rank ended, or closed its channel,
-                without answering.
+            anyio.ClosedResourceError: This end was closed (or its EOF sent).
 
         Cancellation:
-            If the CALL frame was queued, a CANCEL frame follows it (queued
-            without waiting), so that the rank cancels the handler; an answer
-            that comes later is dropped.
+            While it waits for room in the queue (back-pressure), nothing is
+            queued; once queued, :meth:`end_call` sends the CANCEL.
         """
-        await checkpoint()
         self._check_sendable()
-        self._replies[call_id] = None
-        queued = False
+        async with self._send_lock:
+            while self._link.queued >= QUEUED_BYTES and not self._stopped_writing():
+                await self._written.wait()
+            self._check_sendable()
+            self._replies[call_id] = None
+            self._callers[call_id] = answered
+            if not self._stopped_writing():
+                self._queue(
+                    Kind.CALL | request.flag, CALL_ID.pack(call_id) + request.body, request.fd
+                )
 
-        def on_queued() -> None:
-            nonlocal queued
-            queued = True
+    def reply(self, call_id: int) -> Payload | None:
+        """The payload of the reply to ``call_id``, once it came."""
+        return self._replies.get(call_id)
 
+    def unanswerable(self, call_id: int) -> bool:
+        """True if no reply to ``call_id`` came and none can come any more."""
+        return self._replies.get(call_id) is None and self._stopped_writing()
+
+    async def call_error(self) -> Exception:
+        """What a call this rank can no longer answer raises: how its stream ended."""
         try:
-            await self._send_frame(
-                Kind.CALL | request.flag,
-                CALL_ID.pack(call_id) + request.body,
-                on_queued,
-                request.fd,
-            )
-            await self._wait_for(lambda: self._replies[call_id] is not None)
-            reply = self._replies[call_id]
-            if reply is not None:
-                return reply
-            if self._closed:
-                raise anyio.ClosedResourceError
             await self._raise_end(f"rank {self.rank} ended before it answered")
-            raise AssertionError("unreachable")
-        finally:
-            # A late answer finds no call, and is dropped.
-            if self._replies.pop(call_id) is None and queued:
-                self._cancel_call(call_id)
+        except (ProcessException, anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
+            return exc
+        raise AssertionError("unreachable")
+
+    def end_call(self, call_id: int) -> None:
+        """The caller is done with ``call_id``: a reply that comes later is dropped.
+
+        If none came yet, a CANCEL frame follows the CALL (queued without
+        waiting), so that the rank cancels the handler.
+        """
+        self._callers.pop(call_id, None)
+        if call_id in self._replies and self._replies.pop(call_id) is None:
+            self._cancel_call(call_id)
 
     def _cancel_call(self, call_id: int) -> None:
         """Tell the rank nobody waits for ``call_id`` any more: it cancels the handler.
@@ -458,8 +475,8 @@ class Conversation:
         before = self._link.queued
         self._link.queue_frame(kind, payload, fd)
         self._queued_bytes += self._link.queued - before
-        self._write_some()
-        self._to_write.notify()
+        if not self._write_some():
+            self._to_write.notify()  # the writer waits for the socket to take the rest
         return self._queued_bytes
 
     def _write_some(self) -> bool:
@@ -471,6 +488,7 @@ class Conversation:
             done = self._link.write_some()
         except OSError:  # the rank's end is closed: it has exited
             self._write_failed = True
+            self._wake_callers()
             done = True
         else:
             self._written_bytes += before - self._link.queued
@@ -484,6 +502,10 @@ class Conversation:
         """Return once ``done()``, or the stream has ended (or :meth:`aclose` was called)."""
         while not (done() or self._ended):
             await self._arrived.wait()
+
+    def _wake_callers(self) -> None:
+        for caller in self._callers.values():
+            caller.notify()
 
     def _break(self, error: FrameError) -> None:
         """The rank sent a frame that breaks the format: read nothing more, report it."""
@@ -511,6 +533,9 @@ class Conversation:
                     if isinstance(payload, Mapped)
                     else memoryview(payload)[CALL_ID.size :].tobytes()
                 )
+                caller = self._callers.get(call_id)
+                if caller is not None:
+                    caller.notify()
         elif kind == Kind.READY:
             if self.ready_payload is None:
                 self.ready_payload = payload
