@@ -14,10 +14,12 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+from typing import Any
 
 import anyio
 from anyio.lowlevel import checkpoint
 
+from aiospawn._core._loops import runs_asyncio
 from aiospawn._rank import buffers
 from aiospawn._rank.wire import FROM_RANK, READ_BYTES, ChildEnd, FrameQueue, FrameStream, Payload
 
@@ -47,6 +49,13 @@ class SocketLink:
         self._budget_spent = False  # frame_now() stopped for the loop's sake, not for data
         self._drained = False  # the last read took less than it could: wait before the next
         self._out = FrameQueue()
+        # On asyncio, one reader callback stays registered while frames keep
+        # coming (anyio's wait_readable() adds and removes one per wait: two
+        # epoll_ctl calls per message). None until the first wait tells the loop.
+        self._asyncio: bool | None = None
+        self._loop: Any = None
+        self._waiter: Any = None  # the future the reading task awaits
+        self._watching = False
 
     async def receive_frame(self) -> tuple[int, Payload] | None:
         """The next frame, or None at the end of the stream; cancellation-safe.
@@ -68,9 +77,42 @@ class SocketLink:
             if fd is None:
                 return None
             try:
-                await anyio.wait_readable(fd)
+                await self._wait_readable(fd)
             except anyio.ClosedResourceError:  # released meanwhile
                 return None
+
+    async def _wait_readable(self, fd: int) -> None:
+        if self._asyncio is None:
+            self._asyncio = runs_asyncio()
+        if not self._asyncio:
+            await anyio.wait_readable(fd)
+            return
+        import asyncio  # loaded already
+
+        loop = asyncio.get_running_loop()
+        self._waiter = waiter = loop.create_future()
+        if not self._watching:
+            loop.add_reader(fd, self._readable)
+            self._loop, self._watching = loop, True
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+
+    def _readable(self) -> None:
+        """The loop's reader callback: wake the reading task, or stop watching if none waits."""
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            # Nobody reads now: level-triggered, so nothing is lost until the next wait.
+            self._unwatch()
+        else:
+            waiter.set_result(None)
+
+    def _unwatch(self) -> None:
+        if self._watching:
+            self._watching = False
+            if self._fd is not None:
+                self._loop.remove_reader(self._fd)
 
     def frame_now(self) -> tuple[int, Payload] | bool | None:
         """The next frame if it can be read without waiting; None at the end, else False.
@@ -140,6 +182,10 @@ class SocketLink:
 
     def close(self) -> None:
         """Close our end, waking a task that waits on it."""
+        self._unwatch()
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)  # it finds the link closed
         fd, self._fd = self._fd, None
         self._out.clear()
         self._in.forget()
