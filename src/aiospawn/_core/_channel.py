@@ -50,6 +50,7 @@ from aiospawn._rank.wire import Link as Kind
 from ._backend import Link, RankHandle
 from ._concurrency import Broadcast
 from ._errors import ProcessException
+from ._loops import runs_asyncio
 from ._outcome import BrokenChannel, RankExit
 from ._pickles import decode, encode
 
@@ -58,6 +59,9 @@ INBOX_MESSAGES = 64
 INBOX_BYTES = 64 * 1024 * 1024
 #: Bytes that may wait in the outgoing queue when a ``send()`` adds its frame.
 QUEUED_BYTES = 256 * 1024
+
+#: The frames the reader callback sorts itself (``Conversation._sort_now``).
+_EAGER_KINDS = frozenset({Kind.MESSAGE, Kind.REPLY, Kind.READY})
 
 
 @final
@@ -235,10 +239,46 @@ class Conversation:
 
     async def pump(self) -> None:
         """Read and write frames until the stream ends: the group's owner runs this."""
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self._write_queued)
-            await self._read_frames()
-            tg.cancel_scope.cancel()
+        eager = hasattr(self._link, "eager") and runs_asyncio()
+        if eager:
+            # On asyncio the loop's reader callback sorts the common frames
+            # itself, as asyncio's own transports do: a message then wakes
+            # its receiver alone, not this task first.
+            self._link.eager = self._sort_now  # type: ignore[attr-defined]
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._write_queued)
+                await self._read_frames()
+                tg.cancel_scope.cancel()
+        finally:
+            if eager:
+                self._link.eager = None  # type: ignore[attr-defined]
+
+    def _sort_now(self) -> bool:
+        """Sort the frames readable now, from the link's reader callback (asyncio).
+
+        Messages, replies and READY only: anything else (the end, a CLOSE, a
+        broken frame, a full inbox) is left to the pump's task. Returns True
+        if the task need not wake.
+        """
+        link = self._link
+        while not self._ended:
+            if len(self._inbox) >= INBOX_MESSAGES or self._inbox_bytes >= INBOX_BYTES:
+                return False
+            try:
+                frame = link.frame_after_wake()  # type: ignore[attr-defined]
+            except FrameError:
+                return False  # the task reads it again, and breaks the channel
+            if frame is False:
+                return True
+            if frame is None or frame is True:
+                return False
+            if frame[0] not in _EAGER_KINDS:
+                link.unread(frame)  # type: ignore[attr-defined]
+                return False
+            self._take(frame)
+            del frame
+        return False
 
     def drain_and_release(self) -> None:
         """Sort every frame that can be read now, then release the transport: the attempt is over.

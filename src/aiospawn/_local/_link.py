@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -56,6 +57,11 @@ class SocketLink:
         self._loop: Any = None
         self._waiter: Any = None  # the future the reading task awaits
         self._watching = False
+        #: On asyncio, called by the reader callback while the reading task
+        #: waits: it sorts what can be read there and then, and returns True
+        #: if the task need not wake (see ``Conversation.pump``).
+        self.eager: Callable[[], bool] | None = None
+        self._unread: tuple[int, Payload] | None = None  # given back by eager(): next out
 
     async def receive_frame(self) -> tuple[int, Payload] | None:
         """The next frame, or None at the end of the stream; cancellation-safe.
@@ -100,13 +106,28 @@ class SocketLink:
             self._waiter = None
 
     def _readable(self) -> None:
-        """The loop's reader callback: wake the reading task, or stop watching if none waits."""
+        """The loop's reader callback: sort frames here, or wake the reading task.
+
+        If nobody waits, it stops watching: the reader is level-triggered,
+        so nothing is lost until the next wait.
+        """
         waiter = self._waiter
         if waiter is None or waiter.done():
-            # Nobody reads now: level-triggered, so nothing is lost until the next wait.
             self._unwatch()
-        else:
-            waiter.set_result(None)
+            return
+        self._drained = False  # readable: the next read finds something
+        if self.eager is not None and self.eager():
+            self._budget_spent = False  # the callback comes again on the next pass of the loop
+            return
+        waiter.set_result(None)
+
+    def unread(self, frame: tuple[int, Payload]) -> None:
+        """Give back the frame just read: the next read returns it first."""
+        self._unread = frame
+
+    def frame_after_wake(self) -> tuple[int, Payload] | bool | None:
+        """:meth:`frame_now` for the reader callback: no read after one that emptied the socket."""
+        return self._frame(trust_drained=True)
 
     def _unwatch(self) -> None:
         if self._watching:
@@ -126,6 +147,10 @@ class SocketLink:
 
     def _frame(self, trust_drained: bool) -> tuple[int, Payload] | bool | None:
         """:meth:`frame_now`; with ``trust_drained``, no read after one that emptied the socket."""
+        unread = self._unread
+        if unread is not None:
+            self._unread = None
+            return unread
         budget = _READ_BUDGET
         stream = self._in
         while True:
@@ -188,6 +213,7 @@ class SocketLink:
             waiter.set_result(None)  # it finds the link closed
         fd, self._fd = self._fd, None
         self._out.clear()
+        self._unread = None
         self._in.forget()
         if fd is not None:
             # Shut down first: under fork, a sibling rank holds a copy of this
