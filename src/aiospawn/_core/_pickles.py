@@ -4,8 +4,14 @@ Pickles are user code both ways (a ``__reduce__``, a class's module import):
 whatever it raises, ``SystemExit`` and ``KeyboardInterrupt`` included, is that
 object's error (``TypeError`` to send, ``pickle.UnpicklingError`` to receive),
 never the caller's own. An object is first pickled on the loop into a sink
-that gives up at :data:`THREAD_BYTES`; a larger one is pickled again on a
-worker thread, and a payload that large is unpickled on one.
+that gives up after :data:`ENCODE_SECONDS` of work or :data:`ENCODE_BYTES`;
+such an object is pickled again on a worker thread. A payload of
+:data:`THREAD_BYTES` or more is unpickled on one. The two differ because
+pickling a large payload is mostly copying buffers when it is quick (a
+megabyte of ``bytes`` takes a fraction of a millisecond, less than a thread's
+round trip), and the time spent so far says which kind it is; unpickling
+cannot be stopped part-way, and a megabyte of small objects takes tens of
+milliseconds to rebuild on this project's test machine.
 
 Over a link that shares memory (``Link.shares_memory``: local ranks on
 Linux), out-of-band buffers of ``buffers.SHARED_BYTES`` (1 MiB) or more are
@@ -16,6 +22,7 @@ travels with the frame (``aiospawn._rank.buffers``); the receiver maps it.
 from __future__ import annotations
 
 import pickle
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -27,9 +34,14 @@ from aiospawn._rank.buffers import Packed
 
 T = TypeVar("T")
 
-#: A pickle this large or larger (its mapped buffers included) is encoded and
-#: decoded on a worker thread.
+#: A pickle this large or larger (its mapped buffers included) is decoded on
+#: a worker thread.
 THREAD_BYTES = 256 * 1024
+#: Pickling on the loop gives up once it has taken this long (checked at each
+#: write, every 64 KiB of pickle) ...
+ENCODE_SECONDS = 0.002
+#: ... or once the pickle reaches this size; the object is then pickled on a thread.
+ENCODE_BYTES = 4 * 1024 * 1024
 
 
 class _TooLarge(Exception):
@@ -37,11 +49,12 @@ class _TooLarge(Exception):
 
 
 class _Sink:
-    """A file for ``pickle.Pickler`` that refuses to grow past :data:`THREAD_BYTES`."""
+    """A ``pickle.Pickler`` file that gives up at :data:`ENCODE_BYTES` or :data:`ENCODE_SECONDS`."""
 
     def __init__(self) -> None:
         self.parts: list[bytes] = []
         self.size = 0
+        self._deadline = time.perf_counter() + ENCODE_SECONDS
 
     def write(self, data: bytes | bytearray | pickle.PickleBuffer) -> int:
         # Protocol 5 hands write() an out-of-band-capable buffer of 64 KiB or
@@ -51,14 +64,14 @@ class _Sink:
         with memoryview(data) as view:
             size = view.nbytes
             self.size += size
-            if self.size >= THREAD_BYTES:
+            if self.size >= ENCODE_BYTES or time.perf_counter() > self._deadline:
                 raise _TooLarge
             self.parts.append(view.tobytes("A"))
         return size
 
 
 async def encode(obj: Any, shared: bool = False) -> Packed:
-    """Pickle ``obj``: on the loop while it stays small, else again on a worker thread.
+    """Pickle ``obj``: on the loop while it is quick, else again on a worker thread.
 
     Args:
         obj: What to send.
@@ -85,7 +98,7 @@ async def encode(obj: Any, shared: bool = False) -> Packed:
     except BaseException as exc:  # a __reduce__ may raise SystemExit: still obj's error
         raise _unpicklable(obj, exc) from exc
     else:
-        body = b"".join(sink.parts)
+        body = sink.parts[0] if len(sink.parts) == 1 else b"".join(sink.parts)
         # Writing the buffers into the memfd copies them: off the loop.
         packed = await _off_loop(buffers.pack, body, large) if large else Packed(body)
     try:
