@@ -205,6 +205,7 @@ class Conversation:
         self._receive_lock = anyio.Lock(fast_acquire=True)
         self.ready_payload: Payload | None = None
         self._public: RankChannel | None = None
+        self._eager = False  # the link's reader callback sorts frames (asyncio)
 
     @property
     def rank(self) -> int:
@@ -239,7 +240,7 @@ class Conversation:
 
     async def pump(self) -> None:
         """Read and write frames until the stream ends: the group's owner runs this."""
-        eager = hasattr(self._link, "eager") and runs_asyncio()
+        eager = self._eager = hasattr(self._link, "eager") and runs_asyncio()
         if eager:
             # On asyncio the loop's reader callback sorts the common frames
             # itself, as asyncio's own transports do: a message then wakes
@@ -254,6 +255,9 @@ class Conversation:
             if eager:
                 self._link.eager = None  # type: ignore[attr-defined]
 
+    def _inbox_full(self) -> bool:
+        return len(self._inbox) >= INBOX_MESSAGES or self._inbox_bytes >= INBOX_BYTES
+
     def _sort_now(self) -> bool:
         """Sort the frames readable now, from the link's reader callback (asyncio).
 
@@ -263,7 +267,7 @@ class Conversation:
         """
         link = self._link
         while not self._ended:
-            if len(self._inbox) >= INBOX_MESSAGES or self._inbox_bytes >= INBOX_BYTES:
+            if self._inbox_full():
                 return False
             try:
                 frame = link.frame_after_wake()  # type: ignore[attr-defined]
@@ -316,7 +320,7 @@ class Conversation:
 
     async def _read_frames(self) -> None:
         while not self._ended:
-            if len(self._inbox) >= INBOX_MESSAGES or self._inbox_bytes >= INBOX_BYTES:
+            if self._inbox_full():
                 # Full: nothing more is read, and the rank's send() blocks
                 # once the socket is full, until a receive() makes room.
                 await self._room.wait()
@@ -326,6 +330,11 @@ class Conversation:
             except FrameError as exc:
                 self._break(exc)
                 return
+            if frame is not None and self._inbox_full() and self._eager:
+                # The reader callback filled the inbox while this task waited:
+                # the frame goes back, to be taken once there is room.
+                self._link.unread(frame)  # type: ignore[attr-defined]
+                continue
             self._take(frame)
             # Not kept while the next frame is awaited: a received array
             # (and its mapping) lives as long as its receiver holds it.

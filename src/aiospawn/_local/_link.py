@@ -22,7 +22,7 @@ from anyio.lowlevel import checkpoint
 
 from aiospawn._core._loops import runs_asyncio
 from aiospawn._rank import buffers
-from aiospawn._rank.wire import FROM_RANK, READ_BYTES, ChildEnd, FrameQueue, FrameStream, Payload
+from aiospawn._rank.wire import FROM_RANK, ChildEnd, FrameQueue, FrameStream, Payload
 
 from . import _pipes
 
@@ -175,7 +175,7 @@ class SocketLink:
                 self._drained = True
                 return False
             budget -= size
-            self._drained = 0 < size < READ_BYTES
+            self._drained = size > 0 and stream.drained
 
     def queue_frame(self, kind: int, payload: bytes, fd: int = -1) -> None:
         """Add a frame, whole, to the outgoing queue; a copy of ``fd`` goes with it."""

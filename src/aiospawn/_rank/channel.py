@@ -50,7 +50,6 @@ from .buffers import Packed
 from .fds import identity
 from .wire import (
     CALL_ID,
-    READ_BYTES,
     TO_RANK,
     FrameError,
     FrameQueue,
@@ -132,10 +131,10 @@ class Frames:
             if self.peer_closed:
                 return
             try:
-                size = self._in.read()
+                self._in.read()
             except BlockingIOError:
                 return
-            if size < READ_BYTES:
+            if self._in.drained:
                 # It took all there was: another read would most likely find
                 # nothing, and cost a system call per message.
                 self._sort_read()

@@ -242,8 +242,10 @@ def _send_with(fd: int, data: memoryview, passed: int) -> int:
 #: read is flagged as cut short) or by the reader.
 _FDS_PER_READ = 4
 
-#: The most a :class:`FrameStream` reads in one call (its buffer's size).
+#: The most a :class:`FrameStream` reads in one call (its buffer's largest size) ...
 READ_BYTES = 256 * 1024
+#: ... and its buffer's first size.
+_FIRST_READ_BYTES = 16 * 1024
 
 
 class FrameStream:
@@ -283,8 +285,13 @@ class FrameStream:
             # For recvmsg_into(); it never closes the descriptor (see forget()).
             self._sock = socket.socket(fileno=fd)
             self._sock.setblocking(False)
-        self._buffer = bytearray(READ_BYTES)
-        self._view = memoryview(self._buffer)
+        # Made by the first read, small, and grown once a read fills it: a
+        # rank that never uses its channel, or sends small messages, does
+        # not pay for 256 KiB of fresh pages at its start.
+        self._view = memoryview(bytearray(0))
+        #: True if the last read took less than the buffer holds: the socket was
+        #: emptied, and another read would most likely find nothing.
+        self.drained = True
         #: The frame read in part, across reads.
         self._reader = FrameReader(sizes, shared)
         self._complete: collections.deque[FrameReader | tuple[int, bytes]] = collections.deque()
@@ -293,7 +300,10 @@ class FrameStream:
         self.at_end = False
 
     def __del__(self) -> None:
-        self.forget()
+        # Only the socket object: it must never close the descriptor it borrows.
+        sock = getattr(self, "_sock", None)
+        if sock is not None:
+            sock.detach()
 
     def forget(self) -> None:
         """Let go of the socket object without closing the descriptor; drop what is unread."""
@@ -325,6 +335,9 @@ class FrameStream:
             BlockingIOError: Nothing to read now.
         """
         view = self._view
+        if not view or (not self.drained and len(view) < READ_BYTES):
+            # The first read, or the last one filled the buffer: more may come at once.
+            view = self._view = memoryview(bytearray(max(4 * len(view), _FIRST_READ_BYTES)))
         fds: list[int] = []
         try:
             if self._sock is None:
@@ -345,6 +358,7 @@ class FrameStream:
             self.at_end = True
             self._close_fds(fds)
             return 0
+        self.drained = size < len(view)
         self._split(view[:size], fds)
         return size
 
