@@ -41,7 +41,7 @@ from typing import Any, final
 import anyio
 import anyio.abc
 import anyio.to_thread
-from anyio.lowlevel import checkpoint
+from anyio.lowlevel import checkpoint, checkpoint_if_cancelled
 
 from aiospawn._rank.buffers import Mapped, Packed
 from aiospawn._rank.wire import CALL_ID, FrameError, Payload, call_id_of
@@ -50,6 +50,7 @@ from aiospawn._rank.wire import Link as Kind
 from ._backend import Link, RankHandle
 from ._concurrency import Broadcast
 from ._errors import ProcessException
+from ._loops import runs_asyncio
 from ._outcome import BrokenChannel, RankExit
 from ._pickles import decode, encode
 
@@ -58,6 +59,9 @@ INBOX_MESSAGES = 64
 INBOX_BYTES = 64 * 1024 * 1024
 #: Bytes that may wait in the outgoing queue when a ``send()`` adds its frame.
 QUEUED_BYTES = 256 * 1024
+
+#: The frames the reader callback sorts itself (``Conversation._sort_now``).
+_EAGER_KINDS = frozenset({Kind.MESSAGE, Kind.REPLY, Kind.READY})
 
 
 @final
@@ -182,6 +186,8 @@ class Conversation:
         self._inbox: collections.deque[Payload] = collections.deque()
         self._inbox_bytes = 0
         self._replies: dict[int, Payload | None] = {}
+        #: Call id -> what wakes its caller when the reply comes (or none can).
+        self._callers: dict[int, Broadcast] = {}
         # One wake-up per kind of change, so that each waits only for its own.
         self._arrived = Broadcast()  # a frame was sorted, or the stream ended
         self._room = Broadcast()  # the inbox has room again
@@ -200,6 +206,7 @@ class Conversation:
         self._receive_lock = anyio.Lock(fast_acquire=True)
         self.ready_payload: Payload | None = None
         self._public: RankChannel | None = None
+        self._eager = False  # the link's reader callback sorts frames (asyncio)
 
     @property
     def rank(self) -> int:
@@ -239,16 +246,55 @@ class Conversation:
         writer task is started only while the socket is full, so that a rank
         nobody writes to costs no task of its own.
         """
-        async with anyio.create_task_group() as tg:
-            self._pumping = tg
+        eager = self._eager = hasattr(self._link, "eager") and runs_asyncio()
+        if eager:
+            # On asyncio the loop's reader callback sorts the common frames
+            # itself, as asyncio's own transports do: a message then wakes
+            # its receiver alone, not this task first.
+            self._link.eager = self._sort_now  # type: ignore[attr-defined]
+        try:
+            async with anyio.create_task_group() as tg:
+                self._pumping = tg
+                try:
+                    if self._link.queued:  # queued before the pump ran
+                        self._start_writer()
+                    await self._read_frames()
+                finally:
+                    self._pumping = None
+                if self._writing:
+                    tg.cancel_scope.cancel()
+        finally:
+            if eager:
+                self._link.eager = None  # type: ignore[attr-defined]
+
+    def _inbox_full(self) -> bool:
+        return len(self._inbox) >= INBOX_MESSAGES or self._inbox_bytes >= INBOX_BYTES
+
+    def _sort_now(self) -> bool:
+        """Sort the frames readable now, from the link's reader callback (asyncio).
+
+        Messages, replies and READY only: anything else (the end, a CLOSE, a
+        broken frame, a full inbox) is left to the pump's task. Returns True
+        if the task need not wake.
+        """
+        link = self._link
+        while not self._ended:
+            if self._inbox_full():
+                return False
             try:
-                if self._link.queued:  # queued before the pump ran
-                    self._start_writer()
-                await self._read_frames()
-            finally:
-                self._pumping = None
-            if self._writing:
-                tg.cancel_scope.cancel()
+                frame = link.frame_after_wake()  # type: ignore[attr-defined]
+            except FrameError:
+                return False  # the task reads it again, and breaks the channel
+            if frame is False:
+                return True
+            if frame is None or frame is True:
+                return False
+            if frame[0] not in _EAGER_KINDS:
+                link.unread(frame)  # type: ignore[attr-defined]
+                return False
+            self._take(frame)
+            del frame
+        return False
 
     def drain_and_release(self) -> None:
         """Sort every frame that can be read now, then release the transport: the attempt is over.
@@ -276,6 +322,7 @@ class Conversation:
             self._link.close()
             for change in (self._arrived, self._room, self._written):
                 change.notify()
+            self._wake_callers()
 
     def close_sending(self) -> None:
         """:meth:`send_eof` without waiting: the writer sends the frame as the socket takes it."""
@@ -285,7 +332,7 @@ class Conversation:
 
     async def _read_frames(self) -> None:
         while not self._ended:
-            if len(self._inbox) >= INBOX_MESSAGES or self._inbox_bytes >= INBOX_BYTES:
+            if self._inbox_full():
                 # Full: nothing more is read, and the rank's send() blocks
                 # once the socket is full, until a receive() makes room.
                 await self._room.wait()
@@ -295,6 +342,11 @@ class Conversation:
             except FrameError as exc:
                 self._break(exc)
                 return
+            if frame is not None and self._inbox_full() and self._eager:
+                # The reader callback filled the inbox while this task waited:
+                # the frame goes back, to be taken once there is room.
+                self._link.unread(frame)  # type: ignore[attr-defined]
+                continue
             self._take(frame)
             # Not kept while the next frame is awaited: a received array
             # (and its mapping) lives as long as its receiver holds it.
@@ -317,19 +369,25 @@ class Conversation:
 
     async def send(self, item: Any) -> None:
         """:meth:`RankChannel.send`."""
-        await checkpoint()
+        await checkpoint_if_cancelled()
         self._check_sendable()
         packed = await encode(item, self._link.shares_memory)
         try:
             await self._send_frame(Kind.MESSAGE | packed.flag, packed.body, fd=packed.fd)
         finally:
             packed.close()  # the queue holds a copy of its own
+        # The checkpoint's yield comes once the frame is out, while the rank
+        # reads it, rather than before, where it adds to the message's latency.
+        await checkpoint()
 
     async def receive(self) -> Any:
         """:meth:`RankChannel.receive`."""
-        await checkpoint()
+        await checkpoint_if_cancelled()
         async with self._receive_lock:
-            await self._wait_for(lambda: bool(self._inbox))
+            if self._inbox or self._ended:
+                await checkpoint()  # a checkpoint even when nothing is waited for
+            else:  # the wait is the checkpoint
+                await self._wait_for(lambda: bool(self._inbox))
             if self._closed:
                 raise anyio.ClosedResourceError
             if self._inbox:
@@ -371,50 +429,58 @@ class Conversation:
             self.release()
         await checkpoint()
 
-    async def call(self, call_id: int, request: Packed) -> Payload:
-        """Send one CALL frame and wait for its REPLY's payload.
+    async def start_call(self, call_id: int, request: Packed, answered: Broadcast) -> None:
+        """Queue one CALL frame; ``answered`` is notified when its reply comes, or none can.
 
         ``request`` may go to several ranks: each queue holds a copy of its
-        memfd, and the caller closes its own.
+        memfd, and the caller closes its own. The caller then reads
+        :meth:`reply` and :meth:`unanswerable` each time ``answered`` wakes it,
+        and calls :meth:`end_call` whatever happens.
 
         Raises:
-            ProcessException: The rank failed before it answered.
-            anyio.BrokenResourceError: The rank ended, or closed its channel,
-                without answering.
+            anyio.ClosedResourceError: This end was closed (or its EOF sent).
 
         Cancellation:
-            If the CALL frame was queued, a CANCEL frame follows it (queued
-            without waiting), so that the rank cancels the handler; an answer
-            that comes later is dropped.
+            While it waits for room in the queue (back-pressure), nothing is
+            queued; once queued, :meth:`end_call` sends the CANCEL.
         """
-        await checkpoint()
         self._check_sendable()
-        self._replies[call_id] = None
-        queued = False
+        async with self._send_lock:
+            while self._link.queued >= QUEUED_BYTES and not self._stopped_writing():
+                await self._written.wait()
+            self._check_sendable()
+            self._replies[call_id] = None
+            self._callers[call_id] = answered
+            if not self._stopped_writing():
+                self._queue(
+                    Kind.CALL | request.flag, CALL_ID.pack(call_id) + request.body, request.fd
+                )
 
-        def on_queued() -> None:
-            nonlocal queued
-            queued = True
+    def reply(self, call_id: int) -> Payload | None:
+        """The payload of the reply to ``call_id``, once it came."""
+        return self._replies.get(call_id)
 
+    def unanswerable(self, call_id: int) -> bool:
+        """True if no reply to ``call_id`` came and none can come any more."""
+        return self._replies.get(call_id) is None and self._stopped_writing()
+
+    async def call_error(self) -> Exception:
+        """What a call this rank can no longer answer raises: how its stream ended."""
         try:
-            await self._send_frame(
-                Kind.CALL | request.flag,
-                CALL_ID.pack(call_id) + request.body,
-                on_queued,
-                request.fd,
-            )
-            await self._wait_for(lambda: self._replies[call_id] is not None)
-            reply = self._replies[call_id]
-            if reply is not None:
-                return reply
-            if self._closed:
-                raise anyio.ClosedResourceError
             await self._raise_end(f"rank {self.rank} ended before it answered")
-            raise AssertionError("unreachable")
-        finally:
-            # A late answer finds no call, and is dropped.
-            if self._replies.pop(call_id) is None and queued:
-                self._cancel_call(call_id)
+        except (ProcessException, anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
+            return exc
+        raise AssertionError("unreachable")
+
+    def end_call(self, call_id: int) -> None:
+        """The caller is done with ``call_id``: a reply that comes later is dropped.
+
+        If none came yet, a CANCEL frame follows the CALL (queued without
+        waiting), so that the rank cancels the handler.
+        """
+        self._callers.pop(call_id, None)
+        if call_id in self._replies and self._replies.pop(call_id) is None:
+            self._cancel_call(call_id)
 
     def _cancel_call(self, call_id: int) -> None:
         """Tell the rank nobody waits for ``call_id`` any more: it cancels the handler.
@@ -489,6 +555,7 @@ class Conversation:
             done = self._link.write_some()
         except OSError:  # the rank's end is closed: it has exited
             self._write_failed = True
+            self._wake_callers()
             done = True
         else:
             self._written_bytes += before - self._link.queued
@@ -502,6 +569,10 @@ class Conversation:
         """Return once ``done()``, or the stream has ended (or :meth:`aclose` was called)."""
         while not (done() or self._ended):
             await self._arrived.wait()
+
+    def _wake_callers(self) -> None:
+        for caller in self._callers.values():
+            caller.notify()
 
     def _break(self, error: FrameError) -> None:
         """The rank sent a frame that breaks the format: read nothing more, report it."""
@@ -529,6 +600,9 @@ class Conversation:
                     if isinstance(payload, Mapped)
                     else memoryview(payload)[CALL_ID.size :].tobytes()
                 )
+                caller = self._callers.get(call_id)
+                if caller is not None:
+                    caller.notify()
         elif kind == Kind.READY:
             if self.ready_payload is None:
                 self.ready_payload = payload

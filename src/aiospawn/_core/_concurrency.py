@@ -84,8 +84,11 @@ class Broadcast:
     def __init__(self) -> None:
         # Made by the first waiter: a group holds dozens of these, most of
         # which nobody ever waits on.
-        self._event: anyio.Event | None = None
+        self._event: Any = None
         self._waiters = 0
+        # On asyncio, asyncio's own Event: anyio's looks its backend up each
+        # time one is made, a cost paid for every message on a channel.
+        self._make_event: Callable[[], Any] | None = None
 
     def notify(self) -> None:
         """Wake the tasks waiting now; later waiters wait for the next call."""
@@ -96,7 +99,13 @@ class Broadcast:
     async def wait(self) -> None:
         """Wait for the next :meth:`notify`."""
         if self._event is None:
-            self._event = anyio.Event()
+            if self._make_event is None:
+                self._make_event = anyio.Event
+                if runs_asyncio():
+                    import asyncio  # loaded already
+
+                    self._make_event = asyncio.Event
+            self._event = self._make_event()
         event = self._event
         self._waiters += 1
         try:

@@ -23,11 +23,11 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
+from anyio.lowlevel import checkpoint_if_cancelled
 
 from ._backend import RankHandle
 from ._channel import Conversation, RankChannel
 from ._concurrency import Broadcast
-from ._errors import ProcessException
 from ._events import EventLog, Ready
 from ._outcome import BrokenChannel, RankExit, rebuild_raised
 from ._pickles import decode, encode
@@ -201,21 +201,38 @@ class LiveRanks:
         targets: list[int],
         timeout: float | None,
     ) -> list[Any]:
+        await checkpoint_if_cancelled()
         call_id = next(self._call_ids)
         replies: dict[int, Payload] = {}
         ended: dict[int, Exception] = {}
-
-        async def one(index: int, channel: Conversation) -> None:
-            try:
-                replies[index] = await channel.call(call_id, request)
-            except (ProcessException, anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
-                ended[index] = exc
-                tg.cancel_scope.cancel()  # the call has failed: stop waiting for the others
-
-        with anyio.move_on_after(math.inf if timeout is None else timeout):
-            async with anyio.create_task_group() as tg:
+        # No task per rank: every CALL frame is queued (and written, if the
+        # socket takes it) in one pass, then one wait covers every reply.
+        answered = Broadcast()
+        asked: list[tuple[int, Conversation]] = []
+        try:
+            with anyio.move_on_after(math.inf if timeout is None else timeout):
                 for index, channel in channels.items():
-                    tg.start_soon(one, index, channel)
+                    try:
+                        await channel.start_call(call_id, request, answered)
+                    except anyio.ClosedResourceError as exc:
+                        ended[index] = exc
+                        break
+                    asked.append((index, channel))
+                while not ended and len(replies) < len(asked):
+                    for index, channel in asked:
+                        if index in replies:
+                            continue
+                        reply = channel.reply(call_id)
+                        if reply is not None:
+                            replies[index] = reply
+                        elif channel.unanswerable(call_id):
+                            # The call has failed: stop waiting for the others.
+                            ended[index] = await channel.call_error()
+                    if not ended and len(replies) < len(asked):
+                        await answered.wait()
+        finally:
+            for _, channel in asked:
+                channel.end_call(call_id)
         if ended:
             first = min(ended)
             raise ended[first]

@@ -4,8 +4,15 @@ Pickles are user code both ways (a ``__reduce__``, a class's module import):
 whatever it raises, ``SystemExit`` and ``KeyboardInterrupt`` included, is that
 object's error (``TypeError`` to send, ``pickle.UnpicklingError`` to receive),
 never the caller's own. An object is first pickled on the loop into a sink
-that gives up at :data:`THREAD_BYTES`; a larger one is pickled again on a
-worker thread, and a payload that large is unpickled on one.
+that gives up after :data:`ENCODE_SECONDS` of work or :data:`ENCODE_BYTES`;
+such an object is pickled again on a worker thread. A payload of
+:data:`THREAD_BYTES` or more is unpickled on one, unless its pickle is mostly
+raw bytes (:func:`_mostly_bytes`). Both rules let a payload that is mostly
+copying (a megabyte of ``bytes`` takes a fraction of a millisecond, less than
+a thread's round trip) stay on the loop, and send the rest off it: pickling
+tells the two apart by the time it takes, and can give up; unpickling cannot
+be stopped part-way (a megabyte of small objects took 12-78 ms to rebuild on
+this project's test machine), so the pickle's layout decides.
 
 Over a link that shares memory (``Link.shares_memory``: local ranks on
 Linux), out-of-band buffers of ``buffers.SHARED_BYTES`` (1 MiB) or more are
@@ -16,6 +23,7 @@ travels with the frame (``aiospawn._rank.buffers``); the receiver maps it.
 from __future__ import annotations
 
 import pickle
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -23,13 +31,22 @@ import anyio
 import anyio.to_thread
 
 from aiospawn._rank import buffers, wire
-from aiospawn._rank.buffers import Packed
+from aiospawn._rank.buffers import Mapped, Packed
 
 T = TypeVar("T")
 
-#: A pickle this large or larger (its mapped buffers included) is encoded and
-#: decoded on a worker thread.
+#: A pickle this large or larger (its mapped buffers included) is decoded on
+#: a worker thread.
 THREAD_BYTES = 256 * 1024
+#: Pickling on the loop gives up once it has taken this long (checked at each
+#: write, every 64 KiB of pickle) ...
+ENCODE_SECONDS = 0.002
+#: ... or once the pickle reaches this size; the object is then pickled on a thread.
+ENCODE_BYTES = 2 * 1024 * 1024
+#: A pickle up to this size is unpickled on the loop if no more than
+#: :data:`LOAD_OBJECT_BYTES` of it describe objects; the rest is raw bytes.
+LOAD_BYTES = 2 * 1024 * 1024
+LOAD_OBJECT_BYTES = 32 * 1024
 
 
 class _TooLarge(Exception):
@@ -37,11 +54,12 @@ class _TooLarge(Exception):
 
 
 class _Sink:
-    """A file for ``pickle.Pickler`` that refuses to grow past :data:`THREAD_BYTES`."""
+    """A ``pickle.Pickler`` file that gives up at :data:`ENCODE_BYTES` or :data:`ENCODE_SECONDS`."""
 
     def __init__(self) -> None:
         self.parts: list[bytes] = []
         self.size = 0
+        self._deadline = time.perf_counter() + ENCODE_SECONDS
 
     def write(self, data: bytes | bytearray | pickle.PickleBuffer) -> int:
         # Protocol 5 hands write() an out-of-band-capable buffer of 64 KiB or
@@ -51,14 +69,15 @@ class _Sink:
         with memoryview(data) as view:
             size = view.nbytes
             self.size += size
-            if self.size >= THREAD_BYTES:
+            if self.size >= ENCODE_BYTES or time.perf_counter() > self._deadline:
                 raise _TooLarge
-            self.parts.append(view.tobytes("A"))
+            # A bytes object cannot change: kept as it is, it is copied once, by the join.
+            self.parts.append(data if type(data) is bytes else view.tobytes("A"))
         return size
 
 
 async def encode(obj: Any, shared: bool = False) -> Packed:
-    """Pickle ``obj``: on the loop while it stays small, else again on a worker thread.
+    """Pickle ``obj``: on the loop while it is quick, else again on a worker thread.
 
     Args:
         obj: What to send.
@@ -85,7 +104,7 @@ async def encode(obj: Any, shared: bool = False) -> Packed:
     except BaseException as exc:  # a __reduce__ may raise SystemExit: still obj's error
         raise _unpicklable(obj, exc) from exc
     else:
-        body = b"".join(sink.parts)
+        body = sink.parts[0] if len(sink.parts) == 1 else b"".join(sink.parts)
         # Writing the buffers into the memfd copies them: off the loop.
         packed = await _off_loop(buffers.pack, body, large) if large else Packed(body)
     try:
@@ -120,9 +139,50 @@ async def decode(payload: wire.Payload | memoryview, what: str) -> Any:
         pickle.UnpicklingError: It cannot be unpickled here; its cause is what
             the unpickling raised, whatever it was (``SystemExit`` too).
     """
-    if len(payload) >= THREAD_BYTES:
+    if len(payload) >= THREAD_BYTES and (isinstance(payload, Mapped) or not _mostly_bytes(payload)):
         return await _off_loop(_loads, payload, what)
     return _loads(payload, what)
+
+
+#: The pickle opcodes of a large string or bytes object that protocol 5 writes
+#: outside its frames, with the width of their length field: BINBYTES,
+#: BINUNICODE, BINUNICODE8, BINBYTES8, BYTEARRAY8.
+_BLOBS = {0x42: 4, 0x58: 4, 0x8D: 8, 0x8E: 8, 0x96: 8}
+_PROTO, _FRAME, _MEMOIZE, _STOP = 0x80, 0x95, 0x94, 0x2E
+
+
+def _mostly_bytes(payload: bytes | bytearray | memoryview) -> bool:
+    """True if unpickling ``payload`` is mostly copying raw bytes: quick enough for the loop.
+
+    Protocol 5 frames the opcodes that build objects, and writes each string
+    or bytes object of 64 KiB or more outside the frames. So the frames' sizes
+    bound the work of building objects, the rest is copies: True if the
+    pickle is at most :data:`LOAD_BYTES`, its frames hold at most
+    :data:`LOAD_OBJECT_BYTES`, and it has nothing else outside them. Anything
+    unexpected reads as False (a worker thread unpickles it).
+    """
+    view = memoryview(payload)
+    end = len(view)
+    if end > LOAD_BYTES or end < 2 or view[0] != _PROTO:
+        return False
+    position, framed = 2, 0
+    while position < end and framed <= LOAD_OBJECT_BYTES:
+        op = view[position]
+        if op == _FRAME:
+            size = int.from_bytes(view[position + 1 : position + 9], "little")
+            framed += size
+            position += 9 + size
+        elif op in _BLOBS:
+            width = _BLOBS[op]
+            size = int.from_bytes(view[position + 1 : position + 1 + width], "little")
+            position += 1 + width + size
+        elif op == _MEMOIZE:  # may follow a blob outside a frame
+            framed += 1
+            position += 1
+        else:
+            return op == _STOP and position + 1 == end and framed <= LOAD_OBJECT_BYTES
+    # The last frame holds the STOP, if it ended exactly at the end.
+    return position == end and framed <= LOAD_OBJECT_BYTES
 
 
 def _loads(payload: wire.Payload | memoryview, what: str) -> Any:

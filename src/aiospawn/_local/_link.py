@@ -5,7 +5,8 @@ The supervisor keeps one end (non-blocking), the rank gets the other (see
 pipe, and recorded in the descriptor table a ``fork`` rank clears. Frames
 whose large buffers are in a memfd carry its descriptor (``_rank.buffers``):
 reads take descriptors with the bytes (``recvmsg``), and the reader hands
-each to its frame.
+each to its frame. Each read takes what the socket holds, however many frames
+(``wire.FrameStream``).
 """
 
 from __future__ import annotations
@@ -13,16 +14,18 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+from collections.abc import Callable
+from typing import Any
 
 import anyio
 from anyio.lowlevel import checkpoint
 
+from aiospawn._core._loops import runs_asyncio
 from aiospawn._rank import buffers
-from aiospawn._rank.wire import FROM_RANK, ChildEnd, FrameQueue, FrameReader, Payload, receive
+from aiospawn._rank.wire import FROM_RANK, ChildEnd, FrameQueue, FrameStream, Payload
 
 from . import _pipes
 
-_READ_CHUNK = 256 * 1024
 #: At most this much is read per wake-up, so that the loop runs other tasks between.
 _READ_BUDGET = 1024 * 1024
 
@@ -42,20 +45,23 @@ class SocketLink:
     def __init__(self, fd: int) -> None:
         os.set_blocking(fd, False)
         self._fd: int | None = fd
-        # For recvmsg(); it never closes the descriptor (detached in close()).
-        self._sock = socket.socket(fileno=fd) if self.shares_memory else None
-        if self._sock is not None:
-            self._sock.setblocking(False)
-        self._reader = FrameReader(FROM_RANK, self.shares_memory)
+        # It only borrows the descriptor, which close() (or _pipes) closes.
+        self._in = FrameStream(FROM_RANK, self.shares_memory, fd)
         self._budget_spent = False  # frame_now() stopped for the loop's sake, not for data
+        self._drained = False  # the last read took less than it could: wait before the next
         self._out = FrameQueue()
-
-    def __del__(self) -> None:
-        # The socket object only borrows the descriptor, which close() (or
-        # _pipes) closes: it must never close it itself, even unclosed.
-        sock = getattr(self, "_sock", None)
-        if sock is not None:
-            sock.detach()
+        # On asyncio, one reader callback stays registered while frames keep
+        # coming (anyio's wait_readable() adds and removes one per wait: two
+        # epoll_ctl calls per message). None until the first wait tells the loop.
+        self._asyncio: bool | None = None
+        self._loop: Any = None
+        self._waiter: Any = None  # the future the reading task awaits
+        self._watching = False
+        #: On asyncio, called by the reader callback while the reading task
+        #: waits: it sorts what can be read there and then, and returns True
+        #: if the task need not wake (see ``Conversation.pump``).
+        self.eager: Callable[[], bool] | None = None
+        self._unread: tuple[int, Payload] | None = None  # given back by eager(): next out
 
     async def receive_frame(self) -> tuple[int, Payload] | None:
         """The next frame, or None at the end of the stream; cancellation-safe.
@@ -64,7 +70,7 @@ class SocketLink:
             FrameError: The rank sent a header that breaks the format.
         """
         while True:
-            frame = self.frame_now()
+            frame = self._frame(trust_drained=True)
             if frame is not False:
                 assert frame is not True
                 return frame
@@ -72,45 +78,104 @@ class SocketLink:
                 self._budget_spent = False
                 await checkpoint()
                 continue
+            self._drained = False
             fd = self._fd
             if fd is None:
                 return None
             try:
-                await anyio.wait_readable(fd)
+                await self._wait_readable(fd)
             except anyio.ClosedResourceError:  # released meanwhile
                 return None
+
+    async def _wait_readable(self, fd: int) -> None:
+        if self._asyncio is None:
+            self._asyncio = runs_asyncio()
+        if not self._asyncio:
+            await anyio.wait_readable(fd)
+            return
+        import asyncio  # loaded already
+
+        loop = asyncio.get_running_loop()
+        self._waiter = waiter = loop.create_future()
+        if not self._watching:
+            loop.add_reader(fd, self._readable)
+            self._loop, self._watching = loop, True
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+
+    def _readable(self) -> None:
+        """The loop's reader callback: sort frames here, or wake the reading task.
+
+        If nobody waits, it stops watching: the reader is level-triggered,
+        so nothing is lost until the next wait.
+        """
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            self._unwatch()
+            return
+        self._drained = False  # readable: the next read finds something
+        if self.eager is not None and self.eager():
+            self._budget_spent = False  # the callback comes again on the next pass of the loop
+            return
+        waiter.set_result(None)
+
+    def unread(self, frame: tuple[int, Payload]) -> None:
+        """Give back the frame just read: the next read returns it first."""
+        self._unread = frame
+
+    def frame_after_wake(self) -> tuple[int, Payload] | bool | None:
+        """:meth:`frame_now` for the reader callback: no read after one that emptied the socket."""
+        return self._frame(trust_drained=True)
+
+    def _unwatch(self) -> None:
+        if self._watching:
+            self._watching = False
+            if self._fd is not None:
+                self._loop.remove_reader(self._fd)
 
     def frame_now(self) -> tuple[int, Payload] | bool | None:
         """The next frame if it can be read without waiting; None at the end, else False.
 
         Raises:
             FrameError: The rank sent a header that breaks the format (checked
-                as the header completes: none of its payload is read).
+                as the header is read: of its payload, no more is kept than
+                one read took).
         """
+        return self._frame(trust_drained=False)
+
+    def _frame(self, trust_drained: bool) -> tuple[int, Payload] | bool | None:
+        """:meth:`frame_now`; with ``trust_drained``, no read after one that emptied the socket."""
+        unread = self._unread
+        if unread is not None:
+            self._unread = None
+            return unread
         budget = _READ_BUDGET
-        while budget > 0:
-            fd = self._fd
-            if fd is None:
+        stream = self._in
+        while True:
+            if self._fd is None:
                 return None
-            try:
-                if self._sock is None:
-                    data = os.read(fd, min(self._reader.wanted, _READ_CHUNK))
-                else:
-                    data = receive(self._sock, self._reader, _READ_CHUNK)
-            except BlockingIOError:
-                return False
-            except ConnectionResetError:  # the rank exited with our frames unread
-                data = b""
-            if not data:
-                return None
-            self._reader.feed(data)
-            frame = self._reader.shared_frame()
+            frame = stream.next_frame()
             if frame is not None:
-                self._reader = FrameReader(FROM_RANK, self.shares_memory)
                 return frame
-            budget -= len(data)
-        self._budget_spent = True
-        return False
+            if stream.stopped:
+                return None
+            if trust_drained and self._drained:
+                # The last read emptied the socket: another would most likely
+                # find nothing, so wait for readiness (a wasted read is a
+                # system call per message).
+                return False
+            if budget <= 0:
+                self._budget_spent = True
+                return False
+            try:
+                size = stream.read()
+            except BlockingIOError:
+                self._drained = True
+                return False
+            budget -= size
+            self._drained = size > 0 and stream.drained
 
     def queue_frame(self, kind: int, payload: bytes, fd: int = -1) -> None:
         """Add a frame, whole, to the outgoing queue; a copy of ``fd`` goes with it."""
@@ -142,12 +207,14 @@ class SocketLink:
 
     def close(self) -> None:
         """Close our end, waking a task that waits on it."""
+        self._unwatch()
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)  # it finds the link closed
         fd, self._fd = self._fd, None
         self._out.clear()
-        self._reader.discard()
-        if self._sock is not None:
-            self._sock.detach()
-            self._sock = None
+        self._unread = None
+        self._in.forget()
         if fd is not None:
             # Shut down first: under fork, a sibling rank holds a copy of this
             # end until it has dropped the supervisor's descriptors, and

@@ -53,7 +53,7 @@ from .wire import (
     TO_RANK,
     FrameError,
     FrameQueue,
-    FrameReader,
+    FrameStream,
     Link,
     Payload,
     after_call_id,
@@ -61,7 +61,6 @@ from .wire import (
     describe,
     encode_exception,
     from_fn,
-    receive,
 )
 
 # For the checker only: a rank never imports typing (the package's import rule).
@@ -69,8 +68,6 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Iterator
     from typing import Any
-
-_READ_CHUNK = 256 * 1024
 
 
 class Frames:
@@ -87,14 +84,8 @@ class Frames:
         self._out = FrameQueue()
         #: Large buffers sent from here go through a memfd.
         self.shares_memory = shares_memory and buffers.AVAILABLE
-        self._sock: Any = None
-        if self.shares_memory:
-            import socket
-
-            # For recvmsg(); detached before the descriptor is closed.
-            self._sock = socket.socket(fileno=fd)
-            self._sock.setblocking(False)
-        self._reader = FrameReader(TO_RANK, self.shares_memory)
+        self._in = FrameStream(TO_RANK, self.shares_memory, fd)
+        self._poller: Any = None  # made by the first blocking wait, then kept
         self.messages: collections.deque[Payload] = collections.deque()
         self.calls: collections.deque[Payload] = collections.deque()
         #: The ids of calls the supervisor cancelled after ``serve()`` took them.
@@ -106,10 +97,6 @@ class Frames:
         #: What was wrong with a frame that broke the format, if one did.
         self.broken: str | None = None
         self.closed = False
-
-    def __del__(self) -> None:
-        # The socket object borrows the descriptor: it never closes it itself.
-        self.forget_socket()
 
     def queue(self, kind: int, payload: bytes, fd: int = -1) -> None:
         self._check_open()
@@ -139,38 +126,45 @@ class Frames:
 
     def read_some(self) -> None:
         """Read what the socket holds now, sorting each complete frame by kind."""
-        while not self.peer_closed:
+        while True:
+            self._sort_read()
+            if self.peer_closed:
+                return
             try:
-                if self._sock is None:
-                    data = os.read(self.fd, min(self._reader.wanted, _READ_CHUNK))
-                else:
-                    data = receive(self._sock, self._reader, _READ_CHUNK)
+                self._in.read()
             except BlockingIOError:
                 return
-            except ConnectionResetError:
-                data = b""
-            if not data:
-                self.peer_closed = True
+            if self._in.drained:
+                # It took all there was: another read would most likely find
+                # nothing, and cost a system call per message.
+                self._sort_read()
                 return
+
+    def _sort_read(self) -> None:
+        """Sort every frame read and complete; note the stream's end, or a broken frame."""
+        while not self.peer_closed:
             try:
-                self._reader.feed(data)
-                frame = self._reader.shared_frame()
+                frame = self._in.next_frame()
             except FrameError as exc:  # nothing more can be read: as if closed
                 self.broken = str(exc)
                 self.peer_closed = True
                 return
             if frame is None:
-                continue
-            self._reader = FrameReader(TO_RANK, self.shares_memory)
-            kind, payload = frame
-            if kind == Link.MESSAGE:
-                self.messages.append(payload)
-            elif kind == Link.CALL:
-                self.calls.append(payload)
-            elif kind == Link.CANCEL:
-                self._cancel(call_id_of(payload))
-            elif kind == Link.CLOSE:
-                self.peer_closed = True
+                if self._in.at_end:
+                    self.peer_closed = True
+                return
+            self._sort(frame)
+
+    def _sort(self, frame: tuple[int, Payload]) -> None:
+        kind, payload = frame
+        if kind == Link.MESSAGE:
+            self.messages.append(payload)
+        elif kind == Link.CALL:
+            self.calls.append(payload)
+        elif kind == Link.CANCEL:
+            self._cancel(call_id_of(payload))
+        elif kind == Link.CLOSE:
+            self.peer_closed = True
 
     def _cancel(self, call_id: int) -> None:
         """The supervisor gave up on a call: drop it if it waits here, else tell ``serve()``."""
@@ -205,10 +199,12 @@ class Frames:
 
     def wait(self, write: bool, deadline: float | None = None) -> None:
         """Block until the socket can be written (or read); at most until ``deadline``."""
-        poller = select.poll()
-        poller.register(self.fd, select.POLLOUT if write else select.POLLIN)
+        if self._poller is None:
+            self._poller = select.poll()
+            self._poller.register(self.fd, select.POLLIN)
+        self._poller.modify(self.fd, select.POLLOUT if write else select.POLLIN)
         timeout = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
-        poller.poll(timeout)
+        self._poller.poll(timeout)
 
     def flush(self, deadline: float | None = None) -> None:
         """Write everything queued, blocking; give up at ``deadline``."""
@@ -221,16 +217,12 @@ class Frames:
         if not self.closed:
             self.closed = True
             self._out.clear()
-            self._reader.discard()
             self.forget_socket()
             os.close(self.fd)
 
     def forget_socket(self) -> None:
-        """Let go of the socket object without closing the descriptor."""
-        sock = getattr(self, "_sock", None)
-        if sock is not None:
-            sock.detach()
-            self._sock = None
+        """Let go of the socket object without closing the descriptor; drop what is unread."""
+        self._in.forget()
 
     def _check_open(self) -> None:
         if self.closed:

@@ -242,36 +242,220 @@ def _send_with(fd: int, data: memoryview, passed: int) -> int:
 #: read is flagged as cut short) or by the reader.
 _FDS_PER_READ = 4
 
+#: The most a :class:`FrameStream` reads in one call (its buffer's largest size) ...
+READ_BYTES = 256 * 1024
+#: ... and its buffer's first size.
+_FIRST_READ_BYTES = 16 * 1024
 
-def receive(sock: Any, reader: FrameReader, chunk: int) -> bytes:
-    """Read at most ``chunk`` bytes of ``reader``'s frame from ``sock``, and any descriptor.
 
-    Descriptors go to ``reader``, which gives each to its frame. Returns
-    ``b""`` at the end of the stream.
+class FrameStream:
+    """The frames read off a channel's socket, each read taking all it holds (up to a bound).
 
-    A sender passes a frame's descriptor with the frame's first bytes
-    (:class:`FrameQueue`), and a Unix socket never hands over bytes sent
-    after a descriptor in the read that returns bytes sent before it: so
-    only the header's read asks for descriptors (``recvmsg`` costs a few
-    microseconds more than ``read``). A descriptor sent with a payload's bytes
-    is closed by the kernel as they are read.
+    Both ends of a channel read through one: the rank (``_rank.channel``) and
+    the supervisor (``_local._link``). One ``recvmsg`` (or ``read``) per call
+    of :meth:`read` into a buffer kept for the stream's life, however many
+    frames it holds: a small message costs one system call to read, not one
+    for its header, one for its payload and one that finds nothing more.
 
-    Raises:
-        BlockingIOError: Nothing to read now.
-        ConnectionResetError: The other end is gone.
+    Descriptors (``shares_memory``): a sender passes a frame's descriptor with
+    the frame's first bytes (:class:`FrameQueue`), and Linux ends a read of a
+    Unix stream socket once it has taken descriptors, which come with the first
+    bytes of the write that carried them. So the descriptors a read returns
+    belong to the last frame that starts in it, or, if none starts in it (a
+    sender that breaks the format), to the frame it continues, which then
+    fails its check (``FrameReader.shared_frame``).
+
+    A header that breaks the format stops the stream: the frames completed
+    before it are still handed out, then :meth:`next_frame` raises.
+
+    Args:
+        sizes: The kinds this end accepts (:data:`FROM_RANK`, :data:`TO_RANK`).
+        shared: Frames may carry a memfd: reads take descriptors.
+        fd: The socket's descriptor; the stream never closes it.
     """
-    if not reader.at_header:
-        return os.read(sock.fileno(), min(reader.wanted, chunk))
-    data: bytes
-    data, ancillary, flags, _ = sock.recvmsg(min(reader.wanted, chunk), _ANCILLARY_SPACE, _CLOEXEC)
-    if ancillary:
-        for level, kind, fds in ancillary:
-            if level == _SOL_SOCKET and kind == _SCM_RIGHTS:
-                usable = len(fds) - len(fds) % 4
-                reader.add_fds(list(memoryview(fds)[:usable].cast("i")))
-    if flags & _CTRUNC:
-        reader.add_fds([-1])  # more than a frame brings: the frame is refused
-    return data
+
+    def __init__(self, sizes: dict[int, tuple[int, int | None]], shared: bool, fd: int) -> None:
+        self._sizes = sizes
+        self._shared = shared
+        self._fd = fd
+        self._sock: Any = None
+        if shared:
+            import socket
+
+            # For recvmsg_into(); it never closes the descriptor (see forget()).
+            self._sock = socket.socket(fileno=fd)
+            self._sock.setblocking(False)
+        # Made by the first read, small, and grown once a read fills it: a
+        # rank that never uses its channel, or sends small messages, does
+        # not pay for 256 KiB of fresh pages at its start.
+        self._view = memoryview(bytearray(0))
+        #: True if the last read took less than the buffer holds: the socket was
+        #: emptied, and another read would most likely find nothing.
+        self.drained = True
+        #: The frame read in part, across reads.
+        self._reader = FrameReader(sizes, shared)
+        self._complete: collections.deque[FrameReader | tuple[int, bytes]] = collections.deque()
+        self._error: FrameError | None = None
+        #: True once the other end closed (or reset) the stream.
+        self.at_end = False
+
+    def __del__(self) -> None:
+        # Only the socket object: it must never close the descriptor it borrows.
+        sock = getattr(self, "_sock", None)
+        if sock is not None:
+            sock.detach()
+
+    def forget(self) -> None:
+        """Let go of the socket object without closing the descriptor; drop what is unread."""
+        sock = getattr(self, "_sock", None)
+        if sock is not None:
+            sock.detach()
+            self._sock = None
+        if hasattr(self, "_complete"):
+            for frame in self._complete:
+                if isinstance(frame, FrameReader):
+                    frame.discard()
+            self._complete.clear()
+            self._reader.discard()
+
+    @property
+    def pending(self) -> bool:
+        """True if a frame (or the error that stopped the stream) waits to be taken."""
+        return bool(self._complete) or self._error is not None
+
+    @property
+    def stopped(self) -> bool:
+        """True once nothing more will be read: the end of the stream, or a broken header."""
+        return self.at_end or self._error is not None
+
+    def read(self) -> int:
+        """Read what the socket holds now (one call); return the bytes read, 0 at the end.
+
+        Raises:
+            BlockingIOError: Nothing to read now.
+        """
+        view = self._view
+        if not view or (not self.drained and len(view) < READ_BYTES):
+            # The first read, or the last one filled the buffer: more may come at once.
+            view = self._view = memoryview(bytearray(max(4 * len(view), _FIRST_READ_BYTES)))
+        fds: list[int] = []
+        try:
+            if self._sock is None:
+                size = os.readv(self._fd, [view])
+            else:
+                size, ancillary, flags, _ = self._sock.recvmsg_into(
+                    [view], _ANCILLARY_SPACE, _CLOEXEC
+                )
+                for level, kind, data in ancillary:
+                    if level == _SOL_SOCKET and kind == _SCM_RIGHTS:
+                        usable = len(data) - len(data) % 4
+                        fds.extend(memoryview(data)[:usable].cast("i"))
+                if flags & _CTRUNC:
+                    fds.append(-1)  # more than a frame brings: the frame is refused
+        except ConnectionResetError:  # the other end exited with our frames unread
+            size = 0
+        if not size:
+            self.at_end = True
+            self._close_fds(fds)
+            return 0
+        self.drained = size < len(view)
+        self._split(view[:size], fds)
+        return size
+
+    def next_frame(self) -> tuple[int, Payload] | None:
+        """The next complete frame, or None.
+
+        Raises:
+            FrameError: The frame (or the header after the frames taken) breaks
+                the format; nothing more comes from this stream.
+        """
+        while self._complete:
+            frame = self._complete.popleft()
+            if isinstance(frame, tuple):
+                return frame
+            try:
+                done = frame.shared_frame()
+            except FrameError as exc:
+                self._stop(exc)
+                break
+            assert done is not None
+            return done
+        if self._error is not None:
+            raise self._error
+        return None
+
+    def _split(self, data: memoryview, fds: list[int]) -> None:
+        """Sort ``data`` into frames; ``fds`` go to the last frame that starts in it."""
+        if self._error is not None:
+            self._close_fds(fds)
+            return
+        end = len(data)
+        pos = 0
+        owner = self._reader if self._reader.started else None  # the frame continued here
+        started: FrameReader | tuple[int, bytes] | None = None
+        header_size = HEADER.size
+        while pos < end:
+            reader = self._reader
+            if not reader.started and end - pos >= header_size:
+                # The common case: a whole header here, its payload maybe too.
+                kind, size = HEADER.unpack_from(data, pos)
+                try:
+                    reader.check(kind, size)
+                except FrameError as exc:
+                    self._close_fds(fds)
+                    self._break(exc)
+                    return
+                if end - pos - header_size >= size and not kind & SHARED:
+                    started = (kind, bytes(data[pos + header_size : pos + header_size + size]))
+                    self._complete.append(started)
+                    pos += header_size + size
+                    continue
+            if not reader.started:
+                started = reader
+            taken = min(reader.wanted, end - pos)
+            try:
+                reader.feed(data[pos : pos + taken])
+            except FrameError as exc:
+                self._close_fds(fds)
+                self._break(exc)
+                return
+            pos += taken
+            if reader.complete:
+                self._complete.append(reader)
+                self._reader = FrameReader(self._sizes, self._shared)
+        if fds:
+            target = started if started is not None else owner
+            if isinstance(target, FrameReader):
+                target.add_fds(fds)
+            elif target is None:
+                self._reader.add_fds(fds)
+            else:  # a whole frame without the SHARED flag: the descriptors make it break
+                assert self._complete[-1] is target  # no frame starts after it
+                self._complete.pop()
+                broken = FrameReader(self._sizes, self._shared)
+                broken.feed(HEADER.pack(target[0], len(target[1])) + target[1])
+                broken.add_fds(fds)
+                self._complete.append(broken)
+
+    def _break(self, error: FrameError) -> None:
+        """A header broke the format: the frames before it are still handed out, then ``error``."""
+        self._error = error
+        self._reader.discard()
+
+    def _stop(self, error: FrameError) -> None:
+        """A frame broke the format: nothing past it is handed out."""
+        self._error = error
+        self._reader.discard()
+        for frame in self._complete:
+            if isinstance(frame, FrameReader):
+                frame.discard()
+        self._complete.clear()
+
+    @staticmethod
+    def _close_fds(fds: list[int]) -> None:
+        for fd in fds:
+            if fd >= 0:
+                os.close(fd)
 
 
 def _socket_constants() -> tuple[int, int, int, int, int]:
@@ -279,12 +463,13 @@ def _socket_constants() -> tuple[int, int, int, int, int]:
     try:
         import socket
 
+        # Plain ints: the enums' operators cost microseconds per read.
         return (
             socket.CMSG_SPACE(_FDS_PER_READ * 4),
-            socket.MSG_CMSG_CLOEXEC,
-            socket.MSG_CTRUNC,
-            socket.SOL_SOCKET,
-            socket.SCM_RIGHTS,
+            int(socket.MSG_CMSG_CLOEXEC),
+            int(socket.MSG_CTRUNC),
+            int(socket.SOL_SOCKET),
+            int(socket.SCM_RIGHTS),
         )
     except (ImportError, AttributeError):  # no descriptor passing here: never used
         return 0, 0, 0, 0, 0
@@ -370,6 +555,11 @@ class FrameReader:
         return self._kind is not None and len(self._payload) >= self._size
 
     @property
+    def started(self) -> bool:
+        """True once any of the frame's bytes have been fed."""
+        return self._kind is not None or bool(self._header)
+
+    @property
     def at_header(self) -> bool:
         """True while the header is incomplete: the frame's descriptor comes with it."""
         return self._kind is None
@@ -381,7 +571,7 @@ class FrameReader:
             return HEADER.size - len(self._header)
         return self._size - len(self._payload)
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes | memoryview) -> None:
         """Add bytes read from the pipe (at most :attr:`wanted` at a time).
 
         Raises:
@@ -412,6 +602,15 @@ class FrameReader:
             if fd >= 0:
                 os.close(fd)
 
+    def check(self, kind: int, size: int) -> None:
+        """Refuse a header this reader would refuse (see :meth:`feed`).
+
+        Raises:
+            FrameError: It breaks the format.
+        """
+        if self._sizes is not None:
+            self._check(kind, size)
+
     def _check(self, kind: int, size: int) -> None:
         assert self._sizes is not None
         base = kind & ~SHARED
@@ -423,7 +622,7 @@ class FrameReader:
         bounds = self._sizes.get(kind)
         if bounds is None:
             raise FrameError(
-                f"a frame of unknown kind {kind} (its header: {bytes(self._header).hex(' ')})"
+                f"a frame of unknown kind {kind} (its header: {HEADER.pack(kind, size).hex(' ')})"
             )
         low, high = bounds
         name = _LINK_NAMES[kind]

@@ -10,6 +10,7 @@ start methods, rank loops, large payloads) is tested in tests/test_live.py.
 from __future__ import annotations
 
 import contextlib
+import math
 import pickle
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -236,6 +237,8 @@ async def test_a_call_cancelled_before_it_was_queued_sends_neither_call_nor_canc
     # Every message pickled on the loop: one pickled on a worker thread would
     # count as blocked, and be cancelled before it is queued (seen on trio).
     monkeypatch.setattr(_pickles, "THREAD_BYTES", 1 << 30)
+    monkeypatch.setattr(_pickles, "ENCODE_BYTES", 1 << 30)
+    monkeypatch.setattr(_pickles, "ENCODE_SECONDS", math.inf)
     async with fake_group(1) as (ctx, backend):
         rank = link(backend, 0)
         rank.window = 1024
