@@ -20,10 +20,18 @@ from typing import Any
 import aiospawn
 
 
-def memfd_maps() -> list[str]:
-    """This process's mappings of aiospawn's memfds (``/proc/self/maps`` lines)."""
+def memfd_maps(*, pool: bool = False) -> list[str]:
+    """This process's private mappings of aiospawn's memfds (``/proc/self/maps`` lines).
+
+    What a receiver holds: its mappings are private. With ``pool``, the
+    supervisor's shared ones of its pool's segments too.
+    """
     with open("/proc/self/maps") as maps:
-        return [line for line in maps if "/memfd:aiospawn" in line]
+        return [
+            line
+            for line in maps
+            if "/memfd:aiospawn" in line and (pool or line.split()[1].endswith("p"))
+        ]
 
 
 def memfd_inodes() -> set[int]:

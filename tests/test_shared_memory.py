@@ -76,7 +76,7 @@ def _nothing_shared_is_left() -> Iterator[None]:
     yield
     gc.collect()
     assert memfds() == []
-    assert shm_ranks.memfd_maps() == []
+    assert shm_ranks.memfd_maps(pool=True) == []
     assert named_shared_memory() == []
 
 

@@ -43,7 +43,7 @@ import anyio.abc
 import anyio.to_thread
 from anyio.lowlevel import checkpoint
 
-from aiospawn._rank.buffers import Mapped, Packed
+from aiospawn._rank.buffers import TOKEN, Mapped, Packed
 from aiospawn._rank.wire import CALL_ID, FrameError, Payload, call_id_of
 from aiospawn._rank.wire import Link as Kind
 
@@ -52,6 +52,7 @@ from ._concurrency import Broadcast
 from ._errors import ProcessException
 from ._outcome import BrokenChannel, RankExit
 from ._pickles import decode, encode
+from ._pool import PooledPacked, SegmentPool
 
 #: Messages (and bytes of them) the supervisor holds for a rank's ``receive()``.
 INBOX_MESSAGES = 64
@@ -171,8 +172,13 @@ class Conversation:
         on_ready: Callable[[RankHandle], None],
         on_broken: Callable[[RankHandle, BrokenChannel], None],
         exit_of: Callable[[RankHandle], Awaitable[RankExit | None]],
+        pool: SegmentPool | None = None,
     ) -> None:
         self._handle = handle
+        #: The group's reused memfds for large buffers (``_pool``), if the link shares memory.
+        self._pool = pool
+        #: Set once the attempt is over (:meth:`drain_and_release`): its rank maps nothing.
+        self.attempt_over = False
         self._exit_of = exit_of
         self._link = link
         self._on_ready = on_ready
@@ -256,6 +262,10 @@ class Conversation:
                 break
             self._take(frame if isinstance(frame, tuple) else None)
         self.release()
+        self.attempt_over = True
+        if self._pool is not None:
+            # The rank has exited: it maps nothing any more.
+            self._pool.forget_holder(self)
 
     def release(self) -> None:
         """Release the transport (the attempt is over or was replaced); no waiting."""
@@ -301,9 +311,11 @@ class Conversation:
         """:meth:`RankChannel.send`."""
         await checkpoint()
         self._check_sendable()
-        packed = await encode(item, self._link.shares_memory)
+        packed = await encode(item, self._link.shares_memory, self._pool)
         try:
-            await self._send_frame(Kind.MESSAGE | packed.flag, packed.body, fd=packed.fd)
+            await self._send_frame(
+                Kind.MESSAGE | packed.flag, packed.body, self._claimer(packed), packed.fd
+            )
         finally:
             packed.close()  # the queue holds a copy of its own
 
@@ -377,6 +389,8 @@ class Conversation:
         def on_queued() -> None:
             nonlocal queued
             queued = True
+            if isinstance(request, PooledPacked):
+                request.claim(self)
 
         try:
             await self._send_frame(
@@ -397,6 +411,12 @@ class Conversation:
             # A late answer finds no call, and is dropped.
             if self._replies.pop(call_id) is None and queued:
                 self._cancel_call(call_id)
+
+    def _claimer(self, packed: Packed) -> Callable[[], None] | None:
+        """What claims ``packed``'s segment for this rank once its frame is queued, if pooled."""
+        if not isinstance(packed, PooledPacked):
+            return None
+        return lambda: packed.claim(self)
 
     def _cancel_call(self, call_id: int) -> None:
         """Tell the rank nobody waits for ``call_id`` any more: it cancels the handler.
@@ -518,6 +538,10 @@ class Conversation:
         elif kind == Kind.CLOSE:
             self._rank_closed = True
             self.release()
+            return
+        elif kind == Kind.RELEASED:
+            if self._pool is not None and not isinstance(payload, Mapped):
+                self._pool.released(TOKEN.unpack(payload)[0], self)
             return
         self._arrived.notify()
 

@@ -31,6 +31,7 @@ from ._errors import ProcessException
 from ._events import EventLog, Ready
 from ._outcome import BrokenChannel, RankExit, rebuild_raised
 from ._pickles import decode, encode
+from ._pool import SegmentPool, pool_bytes
 
 if TYPE_CHECKING:
     from aiospawn._rank.buffers import Packed
@@ -75,6 +76,9 @@ class LiveRanks:
         self._channels: dict[RankHandle, Conversation] = {}
         self._closed = False  # the block ended: ranks' serve() may return
         self._call_ids = itertools.count(1)
+        # The reused memfds of large buffers sent to the ranks: made with the
+        # first attempt whose link shares memory, given up once no attempt runs.
+        self._pool: SegmentPool | None = None
 
     # ------------------------------------------------------------ the group's
 
@@ -82,8 +86,17 @@ class LiveRanks:
         """Open the channel of a new attempt, if the backend gives it one."""
         if rank.link is None:
             return
+        pool = None
+        if rank.link.shares_memory:
+            if self._pool is None:
+                self._pool = SegmentPool(
+                    pool_bytes(),
+                    getattr(rank.link, "keep_descriptor", None),
+                    getattr(rank.link, "drop_descriptor", None),
+                )
+            pool = self._pool
         channel = self._channels[rank] = Conversation(
-            rank, rank.link, self._on_ready, self._on_broken, self._exit_of
+            rank, rank.link, self._on_ready, self._on_broken, self._exit_of, pool
         )
         if self._closed:
             channel.close_sending()
@@ -102,6 +115,7 @@ class LiveRanks:
             channel = self._channels.get(rank)
             if channel is not None:
                 channel.drain_and_release()
+        self._close_pool_if_idle()
 
     def forget(self, ranks: Iterable[RankHandle]) -> None:
         """Release the channels of replaced attempts, and drop them.
@@ -113,6 +127,15 @@ class LiveRanks:
             channel = self._channels.pop(rank, None)
             if channel is not None:
                 channel.drain_and_release()
+        self._close_pool_if_idle()
+
+    def _close_pool_if_idle(self) -> None:
+        """Give up the segments once every attempt has ended (at the group's end, say)."""
+        if self._pool is not None and all(
+            channel.attempt_over for channel in self._channels.values()
+        ):
+            self._pool.close()
+            self._pool = None
 
     def is_ready(self, rank: RankHandle) -> bool:
         """True if ``rank`` has called ``aiospawn.ready()``."""
@@ -187,7 +210,7 @@ class LiveRanks:
         # Encoded once for every rank: a large buffer is written into one
         # memfd, which each rank maps (each queue sends a copy of its descriptor).
         shared = all(channel.shares_memory for channel in channels.values())
-        request = await encode((method, args, kwargs), shared)
+        request = await encode((method, args, kwargs), shared, self._pool if shared else None)
         try:
             return await self._call(method, request, channels, targets, timeout)
         finally:

@@ -94,7 +94,13 @@ class Frames:
             # For recvmsg(); detached before the descriptor is closed.
             self._sock = socket.socket(fileno=fd)
             self._sock.setblocking(False)
-        self._reader = FrameReader(TO_RANK, self.shares_memory)
+        #: Tokens of pooled segments unmapped here and not yet queued (RELEASED).
+        self._releases: collections.deque[int] = collections.deque()
+        # Guards the outgoing queue: a release is queued from whichever
+        # thread the garbage collector drops a mapping in.
+        self._queue_lock = _thread.allocate_lock()
+        self._pid = os.getpid()
+        self._reader = self._new_reader()
         self.messages: collections.deque[Payload] = collections.deque()
         self.calls: collections.deque[Payload] = collections.deque()
         #: The ids of calls the supervisor cancelled after ``serve()`` took them.
@@ -111,9 +117,48 @@ class Frames:
         # The socket object borrows the descriptor: it never closes it itself.
         self.forget_socket()
 
+    def _new_reader(self) -> FrameReader:
+        return FrameReader(TO_RANK, self.shares_memory, self.release_mapping)
+
     def queue(self, kind: int, payload: bytes, fd: int = -1) -> None:
         self._check_open()
-        self._out.add(kind, payload, fd)
+        with self._queue_lock:
+            self._queue_releases()
+            self._out.add(kind, payload, fd)
+        self._send_releases()
+
+    def release_mapping(self, token: int) -> None:
+        """Tell the supervisor a pooled segment is unmapped here (a RELEASED frame).
+
+        Called by a mapping's finalizer, in whichever thread the last object
+        that used it went, perhaps one that holds the queue's lock right now
+        (the collector runs anywhere): so it never waits for the lock. If
+        the lock is taken, the token waits, and goes out with the next frame
+        queued or written.
+        """
+        if self.closed or os.getpid() != self._pid:  # a child forked by fn holds no claim
+            return
+        self._releases.append(token)
+        self._send_releases()
+
+    def _send_releases(self) -> None:
+        """Queue and write the waiting releases, if nobody holds the queue's lock."""
+        while self._releases and self._queue_lock.acquire(False):
+            try:
+                if self.closed:  # checked under the lock: the descriptor is still ours
+                    self._releases.clear()
+                    return
+                self._queue_releases()
+                with contextlib.suppress(OSError):  # the supervisor is gone: nobody waits
+                    self._out.write_some(self.fd)
+            finally:
+                self._queue_lock.release()
+
+    def _queue_releases(self) -> None:
+        """Move the waiting releases into the queue (the queue's lock is held)."""
+        while self._releases:
+            token = self._releases.popleft()
+            self._out.add(Link.RELEASED, buffers.TOKEN.pack(token))
 
     def queue_packed(self, kind: int, packed: Packed) -> None:
         """Queue ``packed`` as a ``kind`` frame, and close its memfd (the queue has a copy)."""
@@ -129,13 +174,20 @@ class Frames:
     def write_some(self) -> bool:
         """Write what the socket takes now; True once nothing is left queued."""
         try:
-            return self._out.write_some(self.fd)
+            with self._queue_lock:
+                self._queue_releases()
+                done = self._out.write_some(self.fd)
         except BrokenPipeError:
             # The supervisor closed its end (or is gone): nothing written
             # could be read.
-            self._out.clear()
+            with self._queue_lock:
+                self._out.clear()
             self.peer_closed = True
             raise BrokenPipeError("the supervisor closed this rank's channel") from None
+        # A release that came while the lock was held goes out now, not
+        # with some later frame.
+        self._send_releases()
+        return done and not self.unsent
 
     def read_some(self) -> None:
         """Read what the socket holds now, sorting each complete frame by kind."""
@@ -161,7 +213,7 @@ class Frames:
                 return
             if frame is None:
                 continue
-            self._reader = FrameReader(TO_RANK, self.shares_memory)
+            self._reader = self._new_reader()
             kind, payload = frame
             if kind == Link.MESSAGE:
                 self.messages.append(payload)
@@ -219,8 +271,9 @@ class Frames:
 
     def close(self) -> None:
         if not self.closed:
-            self.closed = True
-            self._out.clear()
+            with self._queue_lock:  # a release being written finishes first
+                self.closed = True
+                self._out.clear()
             self._reader.discard()
             self.forget_socket()
             os.close(self.fd)
@@ -476,7 +529,8 @@ def finish(frames: Frames | None, patience: float) -> None:
     if frames is None or frames.closed:
         return
     if identity(frames.fd) != frames._identity:
-        frames.closed = True
+        with frames._queue_lock:  # no release is written to the number's new file
+            frames.closed = True
         frames.forget_socket()
         return
     if frames.unsent:
