@@ -39,6 +39,17 @@ def memfd_inodes() -> set[int]:
     return {int(line.split()[4]) for line in memfd_maps()}
 
 
+def inode_of(value: Any) -> int:
+    """The inode of the memfd an array's or a tensor's bytes lie in here; 0 if none."""
+    address = value.data_ptr() if hasattr(value, "data_ptr") else value.ctypes.data
+    for line in memfd_maps():
+        span, _, _, _, inode = line.split()[:5]
+        start, end = (int(part, 16) for part in span.split("-"))
+        if start <= address < end:
+            return int(inode)
+    return 0
+
+
 def sendable(value: Any) -> Any:
     """``value``, a memoryview (what a large PickleBuffer arrives as) as a PickleBuffer."""
     return pickle.PickleBuffer(value) if isinstance(value, memoryview) else value
@@ -87,6 +98,67 @@ async def echo_async(rank: int) -> None:
             break
         await channel.send((len(memfd_maps()), sendable(message)))
     await aiospawn.serve(Handler())
+
+
+class Holder:
+    """Keeps arrays (or tensors) by name, and says where they lie and what they hold."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, Any] = {}
+
+    def hold(self, key: str, value: Any) -> int:
+        """Keep ``value`` as ``key``; return the inode of the memfd it lies in (0: none)."""
+        self.held[key] = value
+        return inode_of(value)
+
+    def check(self, key: str) -> tuple[float, float]:
+        """The smallest and largest element of what is kept as ``key``."""
+        value = self.held[key]
+        return float(value.min()), float(value.max())
+
+    def drop(self, key: str) -> None:
+        """Let go of ``key``: its mapping goes, and its release with it."""
+        del self.held[key]
+
+    def drop_in_thread(self, key: str) -> None:
+        """:meth:`drop`, from another thread: the mapping's finalizer runs there."""
+        import threading
+
+        value = [self.held.pop(key)]
+        thread = threading.Thread(target=value.clear)
+        thread.start()
+        thread.join()
+
+
+def holder(rank: int) -> None:
+    """Say ready; answer ``(method, *args)`` messages with :class:`Holder`; then serve it."""
+    aiospawn.ready()
+    keeper = Holder()
+    channel = aiospawn.channel()
+    for message in channel:
+        if message == ("serve",):
+            break
+        method, *args = message
+        del message  # nothing here holds what a drop lets go of
+        answer = getattr(keeper, method)(*args)
+        del args
+        channel.send(answer)
+    aiospawn.serve(keeper)
+
+
+async def holder_async(rank: int) -> None:
+    aiospawn.ready()
+    keeper = Holder()
+    channel = aiospawn.channel()
+    async for message in channel:
+        if message == ("serve",):
+            break
+        method, *args = message
+        del message
+        answer = getattr(keeper, method)(*args)
+        del args
+        await channel.send(answer)
+    await aiospawn.serve(keeper)
 
 
 def bad_frame(rank: int, how: str) -> None:
