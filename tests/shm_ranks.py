@@ -114,6 +114,10 @@ class Holder:
     def check(self, key: str) -> tuple[float, float]:
         """The smallest and largest element of what is kept as ``key``."""
         value = self.held[key]
+        if hasattr(value, "numpy"):
+            # Through numpy: torch's own kernels can hang in a rank forked
+            # from a supervisor whose torch started its thread pool.
+            value = value.numpy()
         return float(value.min()), float(value.max())
 
     def drop(self, key: str) -> None:

@@ -168,17 +168,23 @@ class SegmentPool:
     def take(self, nbytes: int) -> Segment | None:
         """A segment of at least ``nbytes`` to write, or None (no room: make a fresh memfd).
 
-        A free segment of the size (up to twice it) is reused; else a new one
-        is made, after the least recently used free ones are given up for it
-        if the pool would outgrow :attr:`limit`.
+        A free segment of the size (up to twice it) is reused, the smallest,
+        then the most recently used; else a new one is made, after the least
+        recently used free ones are given up for it if the pool would outgrow
+        :attr:`limit`. None if even giving up every free one leaves too little
+        room (they are kept).
 
         Raises:
             OSError: A new segment could not be made.
         """
         if self._closed or nbytes <= 0 or nbytes > self.limit:
             return None
+        # The most recently used first: its pages and the supervisor's
+        # mapping of them are warm, and the others age towards eviction.
         fitting = [
-            segment for segment in self._free.values() if nbytes <= segment.size <= 2 * nbytes
+            segment
+            for segment in reversed(self._free.values())
+            if nbytes <= segment.size <= 2 * nbytes
         ]
         if fitting:
             segment = min(fitting, key=lambda segment: segment.size)
@@ -187,11 +193,12 @@ class SegmentPool:
             self.reused += 1
             return segment
         size = _rounded(nbytes)
-        while self.held + size > self.limit and self._free:
+        in_use = self.held - sum(segment.size for segment in self._free.values())
+        if in_use + size > self.limit:
+            return None  # no room even without the free ones: keep them
+        while self.held + size > self.limit:
             _, oldest = self._free.popitem(last=False)
             self._forget(oldest)
-        if self.held + size > self.limit:
-            return None
         fd, read_only = buffers.new_segment(size)
         if self._keep is not None:
             fd, read_only = self._keep(fd), self._keep(read_only)
