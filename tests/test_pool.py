@@ -54,6 +54,7 @@ def test_a_segment_is_free_again_once_every_holder_released_it() -> None:
         assert pool.reused == 1
     finally:
         pool.close()
+        close_all(pool.evicted())
 
 
 def test_each_frame_is_a_claim_and_releases_that_are_not_claims_are_ignored() -> None:
@@ -69,6 +70,7 @@ def test_each_frame_is_a_claim_and_releases_that_are_not_claims_are_ignored() ->
         assert send(pool, MiB) == token
     finally:
         pool.close()
+        close_all(pool.evicted())
 
 
 def test_a_holder_that_exited_holds_nothing() -> None:
@@ -80,6 +82,7 @@ def test_a_holder_that_exited_holds_nothing() -> None:
         assert send(pool, MiB) == token
     finally:
         pool.close()
+        close_all(pool.evicted())
 
 
 def test_a_message_still_being_packed_keeps_its_segment() -> None:
@@ -94,6 +97,7 @@ def test_a_message_still_being_packed_keeps_its_segment() -> None:
         pool.unpacked(other)
     finally:
         pool.close()
+        close_all(pool.evicted())
 
 
 def test_sizes_reuse_a_segment_up_to_twice_as_large() -> None:
@@ -104,6 +108,7 @@ def test_sizes_reuse_a_segment_up_to_twice_as_large() -> None:
         assert send(pool, 3 * MiB) != big  # more than twice its size: kept for large ones
     finally:
         pool.close()
+        close_all(pool.evicted())
 
 
 def test_least_recently_used_free_segments_make_room_and_the_cap_holds() -> None:
@@ -131,6 +136,7 @@ def test_least_recently_used_free_segments_make_room_and_the_cap_holds() -> None
         pool.unpacked(newer)
     finally:
         pool.close()
+        close_all(pool.evicted())
 
 
 def test_closing_frees_every_segment_once_its_packer_is_done() -> None:
@@ -145,6 +151,7 @@ def test_closing_frees_every_segment_once_its_packer_is_done() -> None:
     pool.claim(claimed, "rank 0")
     pool.unpacked(claimed)
     pool.close()
+    close_all(pool.evicted())  # off the loop, in a group
     assert not is_open(free.fd)
     assert not is_open(claimed.fd)  # the ranks have all ended
     assert is_open(packing.fd)  # a worker thread writes into it
@@ -170,6 +177,7 @@ def test_a_pooled_segment_is_sealed_against_resizing_and_its_sent_descriptor_is_
         pool.unpacked(segment)
     finally:
         pool.close()
+        close_all(pool.evicted())
 
 
 def test_the_pool_size_comes_from_the_environment(

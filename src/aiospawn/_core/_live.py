@@ -31,7 +31,7 @@ from ._errors import ProcessException
 from ._events import EventLog, Ready
 from ._outcome import BrokenChannel, RankExit, rebuild_raised
 from ._pickles import decode, encode
-from ._pool import SegmentPool, pool_bytes
+from ._pool import SegmentPool, close_all, pool_bytes
 
 if TYPE_CHECKING:
     from aiospawn._rank.buffers import Packed
@@ -77,7 +77,8 @@ class LiveRanks:
         self._closed = False  # the block ended: ranks' serve() may return
         self._call_ids = itertools.count(1)
         # The reused memfds of large buffers sent to the ranks: made with the
-        # first attempt whose link shares memory, given up once no attempt runs.
+        # first attempt whose link shares memory, kept across restarts, given
+        # up at the group's end (aclose).
         self._pool: SegmentPool | None = None
 
     # ------------------------------------------------------------ the group's
@@ -115,7 +116,6 @@ class LiveRanks:
             channel = self._channels.get(rank)
             if channel is not None:
                 channel.drain_and_release()
-        self._close_pool_if_idle()
 
     def forget(self, ranks: Iterable[RankHandle]) -> None:
         """Release the channels of replaced attempts, and drop them.
@@ -127,15 +127,18 @@ class LiveRanks:
             channel = self._channels.pop(rank, None)
             if channel is not None:
                 channel.drain_and_release()
-        self._close_pool_if_idle()
 
-    def _close_pool_if_idle(self) -> None:
-        """Give up the segments once every attempt has ended (at the group's end, say)."""
-        if self._pool is not None and all(
-            channel.attempt_over for channel in self._channels.values()
-        ):
-            self._pool.close()
-            self._pool = None
+    async def aclose(self) -> None:
+        """Give up the pool's segments: the group has ended, and its ranks with it.
+
+        Their memory is freed on a worker thread (some tens of milliseconds
+        per 100 MB here), not on the loop. A segment a late ``send()`` still
+        writes is closed once it is done.
+        """
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
+            await anyio.to_thread.run_sync(close_all, pool.evicted())
 
     def is_ready(self, rank: RankHandle) -> bool:
         """True if ``rank`` has called ``aiospawn.ready()``."""

@@ -250,13 +250,15 @@ class SegmentPool:
     def close(self) -> None:
         """Give up every segment (the group's ranks have all ended); idempotent.
 
-        A segment still being written is closed once its writer is done with it.
+        What the free ones leave is in :meth:`evicted`, for the caller to
+        close off the loop. A segment still being written is closed (on the
+        loop) once its writer is done with it.
         """
         self._closed = True
         for segment in list(self._segments.values()):
             segment.claims.clear()
-            self._settle(segment)
-        self._close_evicted()
+            if not segment.packing:
+                self._forget(segment)
 
     def _settle(self, segment: Segment) -> None:
         if segment.packing or segment.claims or segment.token not in self._segments:
