@@ -3,28 +3,39 @@
 A message is pickled once, with protocol 5. Its out-of-band buffers (a numpy
 array's data, a ``bytearray``, a ``pickle.PickleBuffer``, a CPU tensor's
 bytes) of :data:`SHARED_BYTES` or more are not copied into the pickle: they
-are written, one after another, into an anonymous memfd, sealed so that nobody
-can change or shrink it afterwards, and the frame that carries the pickle
-carries the memfd's descriptor too (``SCM_RIGHTS`` over the rank's Unix
-socket). The receiver maps the memfd privately (copy-on-write) and unpickles
-with slices of the mapping as the buffers::
+are written, one after another, into an anonymous memfd, and the frame that
+carries the pickle carries the memfd's descriptor too (``SCM_RIGHTS`` over
+the rank's Unix socket). The receiver maps the memfd privately
+(copy-on-write) and unpickles with slices of the mapping as the buffers::
 
     sender:   pickle ─┬─► frame: kind|SHARED, [call id], layout, pickle ──┐
-                      └─► memfd (buffers, sealed) ── fd ─► SCM_RIGHTS ────┤
+                      └─► memfd (buffers) ── fd ─► SCM_RIGHTS ─────────────┤
     receiver: recvmsg ─► frame + fd ─► mmap(MAP_PRIVATE) ─► pickle.loads(buffers=slices)
+              ... last user gone ─► munmap ─► RELEASED(token) ─► sender   (pooled only)
 
 The layout (:data:`LAYOUT`, then one :data:`SPAN` per buffer) says where each
 buffer lies in the memfd. Smaller buffers, and every buffer where memfds or
 descriptor passing are missing (not Linux, the Ray backend), stay in the
 pickle as before.
 
-Value semantics: the receiver's mapping is private and the memfd is sealed
-against writes, so neither side ever sees the other's later writes; the
-receiver may write to what it got (its pages are copied as it writes them).
-The memory is the kernel's until the last descriptor and the last mapping go:
-the sender closes its descriptors once the frame is written, the receiver as
-soon as it has mapped the memfd, and the mapping goes with the last object
-that uses it. Nothing has a name, so nothing outlives both processes.
+Two kinds of memfd. A fresh one (:func:`pack`) is sealed against writes,
+shrinking and growth once written: nobody can change it afterwards. A
+*pooled* one, a segment the supervisor rewrites (``aiospawn._core._pool``,
+:func:`new_segment`), is sealed against resizing only; its layout sets
+:data:`POOLED` and names the segment's :data:`TOKEN`, and the receiver, once
+its mapping is gone, hands the token to the ``release`` callback its reader
+was given (a rank's channel sends a RELEASED frame). The sender rewrites a
+segment only once every receiver has released it.
+
+Value semantics: the receiver's mapping is private, so its writes are its
+own. A page it has not written shows later writes to the file (Linux): a
+fresh memfd has none, and a pooled segment is not rewritten while mapped. So
+neither side ever sees the other's later writes. The memory is the kernel's
+until the last descriptor and the last mapping go: the sender closes the
+descriptors of a fresh memfd once the frame is written (the pool keeps its
+segments' until the group ends), the receiver as soon as it has mapped the
+memfd, and the mapping goes with the last object that uses it. Nothing has a
+name, so nothing outlives both processes.
 
 Torch CPU tensors (only if the program imported torch: this module never
 does) are pickled by :func:`_reduce_tensor` as their bytes, an out-of-band
