@@ -392,6 +392,9 @@ async def test_a_rank_killed_holding_a_segment_gives_it_back(anyio_backend: str)
             # Its claim went with it: the segment it mapped is rewritten.
             assert await Asker(ctx, 0, "channel")("hold", "y", full(6.0)) == held
             assert await Asker(ctx, 0, "channel")("check", "x") == (5.0, 5.0)
+            # Its successor, forked from the supervisor, kept no descriptor
+            # of the pool's segments.
+            assert await Asker(ctx, 1, "channel")("memfds") == 0
 
 
 async def test_the_pool_holds_no_more_than_its_cap(
