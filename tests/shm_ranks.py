@@ -179,6 +179,8 @@ def bad_frame(rank: int, how: str) -> None:
     ``"no fd"``: the frame comes without its descriptor. ``"pipe"``: with a
     pipe's, not a sealed memfd. ``"extra fd"``: a plain MESSAGE frame with a
     descriptor. ``"bad layout"``: a sealed memfd smaller than the layout says.
+    ``"pooled"``: a pooled segment's layout and descriptor, which only the
+    supervisor sends.
     """
     from aiospawn._rank import buffers
     from aiospawn._rank.wire import HEADER, Link
@@ -200,6 +202,9 @@ def bad_frame(rank: int, how: str) -> None:
         passed = [os.pipe()[0]]
     elif how == "bad layout":
         passed = [buffers.pack(b"", [memoryview(b"y" * 4096)]).fd]
+    elif how == "pooled":
+        layout = buffers.layout([(0, 4096)], token=1)
+        passed = [buffers.new_segment(4096)[1]]
     frame = HEADER.pack(kind, len(layout) + len(body)) + layout + body
     sock = socket.socket(fileno=fd)
     sock.setblocking(True)

@@ -241,6 +241,7 @@ async def test_a_call_to_several_ranks_maps_one_memfd_in_each(anyio_backend: str
         ("pipe", "not a sealed memfd"),
         ("extra fd", "a MESSAGE frame that came with a descriptor"),
         ("bad layout", "names bytes 0-1048576 of a 4096-byte memfd"),
+        ("pooled", "a pooled segment, which only the supervisor sends"),
     ],
 )
 async def test_a_shared_frame_the_supervisor_cannot_trust_fails_its_rank(
