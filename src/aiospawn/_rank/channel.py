@@ -11,6 +11,11 @@ a kind byte, a length, a pickle. The kinds are :class:`~.wire.Link`'s.
   ``async def fn``, imported by such a rank alone. Both take their frames
   through one :class:`Frames`, and differ only in how they wait.
 - :func:`~aiospawn._rank.api.ready` sends one READY frame.
+- A large buffer the supervisor sent in one of its pooled segments
+  (``buffers``) is given back with a RELEASED frame once the last object that
+  uses its mapping goes: :meth:`Frames.release_mapping`, called by the
+  mapping's finalizer in whichever thread drops it, never waits for the
+  outgoing queue's lock (the thread may hold it).
 - ``serve(handler)`` answers CALL frames with REPLY frames until the
   supervisor closes its end. A CANCEL frame names a call the supervisor no
   longer waits for: a call not yet started is dropped here, as the frame is
