@@ -3,9 +3,11 @@
 A focused run of ``bench_dataplane``'s 100 MB cases with the peers that
 matter to issue 26's "no copies for large buffers": the floor (a socket pair
 per rank, driven from a worker thread, the receiver reading the bytes into
-its array), aiospawn's channel and ``ctx.call`` (large buffers through a
-memfd), and aiospawn's channel with the memfd turned off on the supervisor's
-side (the in-band path every payload took before), all started once, from
+its array), aiospawn's channel and ``ctx.call`` (large buffers through the
+group's pool of reused memfds), the same two with a pool of 0 bytes (every
+buffer into a fresh memfd, as before the pool), and aiospawn's channel with
+the memfd turned off on the supervisor's side (the in-band path every
+payload took before memfds), all started once, from
 the same fork server with numpy and torch preloaded, and run in alternation,
 the order rotating by one peer per trial. Each request sends the payload and
 waits for a small answer once the rank holds it unpickled; a task sleeping
@@ -28,9 +30,12 @@ import os
 import statistics
 import sys
 import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 import anyio
+
+from aiospawn._core._pool import POOL_BYTES_VAR
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -50,6 +55,40 @@ from bench_dataplane import (  # found through the path set above
     cases,
     make_payload,
 )
+
+
+@contextlib.contextmanager
+def _no_pool() -> Iterator[None]:
+    """Groups opened meanwhile send every large buffer in a fresh memfd (a pool of 0 bytes)."""
+    before = os.environ.get(POOL_BYTES_VAR)
+    os.environ[POOL_BYTES_VAR] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[POOL_BYTES_VAR]
+        else:
+            os.environ[POOL_BYTES_VAR] = before
+
+
+class AiospawnChannelNoPool(AiospawnChannel):
+    """aiospawn's channel without the group's pool: each buffer into a fresh memfd."""
+
+    name = "aiospawn channel, no pool"
+
+    async def open(self, stack: contextlib.AsyncExitStack, scratch: str) -> None:
+        with _no_pool():  # read as the group makes its ranks' channels
+            await super().open(stack, scratch)
+
+
+class AiospawnCallNoPool(AiospawnCall):
+    """``ctx.call`` without the group's pool: each argument into a fresh memfd."""
+
+    name = "aiospawn ctx.call, no pool"
+
+    async def open(self, stack: contextlib.AsyncExitStack, scratch: str) -> None:
+        with _no_pool():
+            await super().open(stack, scratch)
 
 
 class AiospawnInBand(AiospawnChannel):
@@ -79,7 +118,14 @@ async def main(trials: int) -> None:
     with tempfile.TemporaryDirectory(prefix="aiospawn-bench-") as scratch:
         async with contextlib.AsyncExitStack() as stack:
             transports: list[Transport] = []
-            for kind in (SocketThread, AiospawnChannel, AiospawnCall, AiospawnInBand):
+            for kind in (
+                SocketThread,
+                AiospawnChannel,
+                AiospawnCall,
+                AiospawnChannelNoPool,
+                AiospawnCallNoPool,
+                AiospawnInBand,
+            ):
                 transport = kind()
                 await transport.open(stack, scratch)
                 transports.append(transport)

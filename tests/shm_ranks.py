@@ -20,15 +20,34 @@ from typing import Any
 import aiospawn
 
 
-def memfd_maps() -> list[str]:
-    """This process's mappings of aiospawn's memfds (``/proc/self/maps`` lines)."""
+def memfd_maps(*, pool: bool = False) -> list[str]:
+    """This process's private mappings of aiospawn's memfds (``/proc/self/maps`` lines).
+
+    What a receiver holds: its mappings are private. With ``pool``, the
+    supervisor's shared ones of its pool's segments too.
+    """
     with open("/proc/self/maps") as maps:
-        return [line for line in maps if "/memfd:aiospawn" in line]
+        return [
+            line
+            for line in maps
+            if "/memfd:aiospawn" in line and (pool or line.split()[1].endswith("p"))
+        ]
 
 
 def memfd_inodes() -> set[int]:
     """The inodes of the memfds this process maps: one per memfd."""
     return {int(line.split()[4]) for line in memfd_maps()}
+
+
+def inode_of(value: Any) -> int:
+    """The inode of the memfd an array's or a tensor's bytes lie in here; 0 if none."""
+    address = value.data_ptr() if hasattr(value, "data_ptr") else value.ctypes.data
+    for line in memfd_maps():
+        span, _, _, _, inode = line.split()[:5]
+        start, end = (int(part, 16) for part in span.split("-"))
+        if start <= address < end:
+            return int(inode)
+    return 0
 
 
 def sendable(value: Any) -> Any:
@@ -81,12 +100,87 @@ async def echo_async(rank: int) -> None:
     await aiospawn.serve(Handler())
 
 
+class Holder:
+    """Keeps arrays (or tensors) by name, and says where they lie and what they hold."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, Any] = {}
+
+    def hold(self, key: str, value: Any) -> int:
+        """Keep ``value`` as ``key``; return the inode of the memfd it lies in (0: none)."""
+        self.held[key] = value
+        return inode_of(value)
+
+    def check(self, key: str) -> tuple[float, float]:
+        """The smallest and largest element of what is kept as ``key``."""
+        value = self.held[key]
+        if hasattr(value, "numpy"):
+            # Through numpy: torch's own kernels can hang in a rank forked
+            # from a supervisor whose torch started its thread pool.
+            value = value.numpy()
+        return float(value.min()), float(value.max())
+
+    def drop(self, key: str) -> None:
+        """Let go of ``key``: its mapping goes, and its release with it."""
+        del self.held[key]
+
+    def memfds(self) -> int:
+        """How many descriptors of aiospawn's memfds this rank holds."""
+        found = 0
+        for name in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                found += os.readlink(f"/proc/self/fd/{name}").startswith("/memfd:aiospawn")
+        return found
+
+    def drop_in_thread(self, key: str) -> None:
+        """:meth:`drop`, from another thread: the mapping's finalizer runs there."""
+        import threading
+
+        value = [self.held.pop(key)]
+        thread = threading.Thread(target=value.clear)
+        thread.start()
+        thread.join()
+
+
+def holder(rank: int) -> None:
+    """Say ready; answer ``(method, *args)`` messages with :class:`Holder`; then serve it."""
+    aiospawn.ready()
+    keeper = Holder()
+    channel = aiospawn.channel()
+    for message in channel:
+        if message == ("serve",):
+            break
+        method, *args = message
+        del message  # nothing here holds what a drop lets go of
+        answer = getattr(keeper, method)(*args)
+        del args
+        channel.send(answer)
+    aiospawn.serve(keeper)
+
+
+async def holder_async(rank: int) -> None:
+    aiospawn.ready()
+    keeper = Holder()
+    channel = aiospawn.channel()
+    async for message in channel:
+        if message == ("serve",):
+            break
+        method, *args = message
+        del message
+        answer = getattr(keeper, method)(*args)
+        del args
+        await channel.send(answer)
+    await aiospawn.serve(keeper)
+
+
 def bad_frame(rank: int, how: str) -> None:
     """Say ready; rank 0 writes a shared MESSAGE frame that breaks the format (``how``); wait.
 
     ``"no fd"``: the frame comes without its descriptor. ``"pipe"``: with a
     pipe's, not a sealed memfd. ``"extra fd"``: a plain MESSAGE frame with a
     descriptor. ``"bad layout"``: a sealed memfd smaller than the layout says.
+    ``"pooled"``: a pooled segment's layout and descriptor, which only the
+    supervisor sends.
     """
     from aiospawn._rank import buffers
     from aiospawn._rank.wire import HEADER, Link
@@ -108,6 +202,9 @@ def bad_frame(rank: int, how: str) -> None:
         passed = [os.pipe()[0]]
     elif how == "bad layout":
         passed = [buffers.pack(b"", [memoryview(b"y" * 4096)]).fd]
+    elif how == "pooled":
+        layout = buffers.layout([(0, 4096)], token=1)
+        passed = [buffers.new_segment(4096)[1]]
     frame = HEADER.pack(kind, len(layout) + len(body)) + layout + body
     sock = socket.socket(fileno=fd)
     sock.setblocking(True)

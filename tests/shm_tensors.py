@@ -3,7 +3,8 @@
 ``python -m tests.shm_tensors`` sends CPU tensors of several dtypes and
 layouts to a rank and back, through a channel and a call, and checks that
 each comes back with its dtype, shape, strides and ``requires_grad``, mapped
-when it is large, and writable as a private copy. Run in a process of its
+when it is large, and writable as a private copy; then that a tensor the
+rank holds stays as it came while later ones reuse the group's segments. Run in a process of its
 own: importing torch changes the process (its loggers, ``aiospawn.sync``'s
 error classes) for whatever runs after it.
 """
@@ -71,9 +72,29 @@ async def main() -> None:
             back[0] = 5.0  # writable, and a private copy
             assert tensor[0] == 0.0
             del back
+        await reused_segments_keep_their_values(torch)
     gc.collect()
     assert shm_ranks.memfd_maps() == []
     print("every tensor came back as it left")
+
+
+async def reused_segments_keep_their_values(torch: Any) -> None:
+    """A tensor held by the rank stays as it came while the next ones reuse the pool."""
+    async with aiospawn.open_group(shm_ranks.holder, nprocs=1, start_method="fork") as ctx:
+        channel = ctx.channel(0)
+
+        async def ask(*message: Any) -> Any:
+            await channel.send(message)
+            return await channel.receive()
+
+        first = await ask("hold", "a", torch.full((MiB,), 1.0, dtype=torch.float64))
+        second = await ask("hold", "b", torch.full((MiB,), 2.0, dtype=torch.float64))
+        assert second not in (0, first), (first, second)
+        assert await ask("check", "a") == (1.0, 1.0)
+        await ask("drop", "a")
+        assert await ask("hold", "c", torch.full((MiB,), 3.0, dtype=torch.float64)) == first
+        assert await ask("check", "b") == (2.0, 2.0)
+        assert await ask("check", "c") == (3.0, 3.0)
 
 
 if __name__ == "__main__":

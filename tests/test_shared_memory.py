@@ -76,7 +76,7 @@ def _nothing_shared_is_left() -> Iterator[None]:
     yield
     gc.collect()
     assert memfds() == []
-    assert shm_ranks.memfd_maps() == []
+    assert shm_ranks.memfd_maps(pool=True) == []
     assert named_shared_memory() == []
 
 
@@ -241,6 +241,7 @@ async def test_a_call_to_several_ranks_maps_one_memfd_in_each(anyio_backend: str
         ("pipe", "not a sealed memfd"),
         ("extra fd", "a MESSAGE frame that came with a descriptor"),
         ("bad layout", "names bytes 0-1048576 of a 4096-byte memfd"),
+        ("pooled", "a pooled segment, which only the supervisor sends"),
     ],
 )
 async def test_a_shared_frame_the_supervisor_cannot_trust_fails_its_rank(
@@ -310,3 +311,124 @@ async def test_cpu_tensors_are_mapped_both_ways_with_their_layout(anyio_backend:
     report = (done.stdout + done.stderr).decode(errors="replace")
     assert done.returncode == 0, report
     assert "every tensor came back as it left" in report
+
+
+# ---------------------------------------------------------------- the pool of segments
+
+
+class Asker:
+    """Asks a :func:`shm_ranks.holder` rank through its channel or through ``ctx.call``."""
+
+    def __init__(self, ctx: Any, rank: int, via: str) -> None:
+        self.ctx = ctx
+        self.rank = rank
+        self.via = via
+
+    async def __call__(self, method: str, *args: Any) -> Any:
+        if self.via == "call":
+            [answer] = await self.ctx.call(method, *args, ranks=[self.rank])
+            return answer
+        channel = self.ctx.channel(self.rank)
+        await channel.send((method, *args))
+        return await channel.receive()
+
+    async def start(self) -> None:
+        if self.via == "call":
+            await self.ctx.channel(self.rank).send(("serve",))
+
+
+def full(value: float) -> Any:
+    """8 MiB of ``value``: a buffer that travels through a segment."""
+    return np.full(MiB, value)
+
+
+@pytest.mark.both_loops
+@pytest.mark.parametrize("via", ["channel", "call"])
+@pytest.mark.parametrize("rank_loop", [None, "asyncio", "trio"], ids=["sync", "asyncio", "trio"])
+async def test_a_segment_is_rewritten_only_once_its_receiver_let_go_of_it(
+    anyio_backend: str, via: str, rank_loop: str | None
+) -> None:
+    fn = shm_ranks.holder if rank_loop is None else shm_ranks.holder_async
+    options: dict[str, Any] = {} if rank_loop is None else {"rank_loop": rank_loop}
+    with tripwire(60, f"a reused segment through {via}"):
+        async with aiospawn.open_group(fn, nprocs=1, start_method="fork", **options) as ctx:
+            ask = Asker(ctx, 0, via)
+            await ask.start()
+            first = await ask("hold", "a", full(1.0))
+            assert first != 0, "the buffer was not mapped"
+            # "a" is held: the next buffer cannot go into its segment, and
+            # what the rank holds stays as it came (a page of a private
+            # mapping the rank never wrote would show a rewrite).
+            second = await ask("hold", "b", full(2.0))
+            assert second not in (0, first)
+            assert await ask("check", "a") == (1.0, 1.0)
+            await ask("drop", "a")
+            # Let go of: the same segment carries the next buffer.
+            assert await ask("hold", "c", full(3.0)) == first
+            assert await ask("check", "b") == (2.0, 2.0)
+            assert await ask("check", "c") == (3.0, 3.0)
+            # A mapping that goes in another thread is released from there.
+            await ask("drop_in_thread", "b")
+            assert await ask("hold", "d", full(4.0)) == second
+            assert await ask("check", "c") == (3.0, 3.0)
+            assert await ask("check", "d") == (4.0, 4.0)
+
+
+async def test_a_rank_killed_holding_a_segment_gives_it_back(anyio_backend: str) -> None:
+    policy = aiospawn.RestartPolicy(strategy="one_for_one", backoff=aiospawn.Backoff(initial=0.0))
+    with tripwire(60, "a rank killed while it maps a segment"):
+        async with (
+            aiospawn.open_group(
+                shm_ranks.holder, nprocs=2, start_method="fork", restart=policy, wait_ready=True
+            ) as ctx,
+            contextlib.aclosing(ctx.events()) as events,
+        ):
+            held = await Asker(ctx, 1, "channel")("hold", "a", full(1.0))
+            other = await Asker(ctx, 0, "channel")("hold", "x", full(5.0))
+            assert other not in (0, held)
+            os.kill(ctx.pids()[1], signal.SIGKILL)
+            async for event in events:
+                if isinstance(event, aiospawn.Exited) and event.rank == 1:
+                    break
+            # Its claim went with it: the segment it mapped is rewritten.
+            assert await Asker(ctx, 0, "channel")("hold", "y", full(6.0)) == held
+            assert await Asker(ctx, 0, "channel")("check", "x") == (5.0, 5.0)
+            # Its successor, forked from the supervisor, kept no descriptor
+            # of the pool's segments.
+            assert await Asker(ctx, 1, "channel")("memfds") == 0
+
+
+async def test_the_pool_holds_no_more_than_its_cap(
+    anyio_backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Room for two 8 MiB segments, not three.
+    monkeypatch.setenv("AIOSPAWN_SHARED_POOL_BYTES", str(17 * MiB))
+    with tripwire(60, "a capped pool"):
+        async with aiospawn.open_group(shm_ranks.holder, nprocs=1, start_method="fork") as ctx:
+            ask = Asker(ctx, 0, "channel")
+            pooled = {await ask("hold", "a", full(1.0)), await ask("hold", "b", full(2.0))}
+            # No segment free and no room: a memfd of its own, as without a pool.
+            beyond = await ask("hold", "c", full(3.0))
+            assert beyond not in pooled
+            for key in "abc":
+                await ask("drop", key)
+            assert {await ask("hold", "d", full(4.0)), await ask("hold", "e", full(5.0))} == pooled
+            last = await ask("hold", "f", full(6.0))
+            assert last not in (*pooled, beyond)
+            for key, value in zip("def", (4.0, 5.0, 6.0), strict=True):
+                assert await ask("check", key) == (value, value)
+
+
+async def test_a_pool_of_zero_bytes_sends_every_buffer_in_a_memfd_of_its_own(
+    anyio_backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AIOSPAWN_SHARED_POOL_BYTES", "0")
+    with tripwire(60, "no pool"):
+        async with aiospawn.open_group(shm_ranks.holder, nprocs=1, start_method="fork") as ctx:
+            ask = Asker(ctx, 0, "channel")
+            seen = set()
+            for value in (1.0, 2.0, 3.0):
+                seen.add(await ask("hold", "a", full(value)))
+                await ask("drop", "a")
+            assert len(seen) == 3
+            assert 0 not in seen

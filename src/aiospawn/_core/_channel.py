@@ -43,7 +43,7 @@ import anyio.abc
 import anyio.to_thread
 from anyio.lowlevel import checkpoint, checkpoint_if_cancelled
 
-from aiospawn._rank.buffers import Mapped, Packed
+from aiospawn._rank.buffers import TOKEN, Mapped, Packed
 from aiospawn._rank.wire import CALL_ID, FrameError, Payload, call_id_of
 from aiospawn._rank.wire import Link as Kind
 
@@ -53,6 +53,7 @@ from ._errors import ProcessException
 from ._loops import runs_asyncio
 from ._outcome import BrokenChannel, RankExit
 from ._pickles import decode, encode
+from ._pool import PooledPacked, SegmentPool
 
 #: Messages (and bytes of them) the supervisor holds for a rank's ``receive()``.
 INBOX_MESSAGES = 64
@@ -175,8 +176,13 @@ class Conversation:
         on_ready: Callable[[RankHandle], None],
         on_broken: Callable[[RankHandle, BrokenChannel], None],
         exit_of: Callable[[RankHandle], Awaitable[RankExit | None]],
+        pool: SegmentPool | None = None,
     ) -> None:
         self._handle = handle
+        #: The group's reused memfds for large buffers (``_pool``), if the link shares memory.
+        self._pool = pool
+        #: Set once the attempt is over (:meth:`drain_and_release`): its rank maps nothing.
+        self.attempt_over = False
         self._exit_of = exit_of
         self._link = link
         self._on_ready = on_ready
@@ -314,6 +320,10 @@ class Conversation:
                 break
             self._take(frame if isinstance(frame, tuple) else None)
         self.release()
+        self.attempt_over = True
+        if self._pool is not None:
+            # The rank has exited: it maps nothing any more.
+            self._pool.forget_holder(self)
 
     def release(self) -> None:
         """Release the transport (the attempt is over or was replaced); no waiting."""
@@ -371,9 +381,11 @@ class Conversation:
         """:meth:`RankChannel.send`."""
         await checkpoint_if_cancelled()
         self._check_sendable()
-        packed = await encode(item, self._link.shares_memory)
+        packed = await encode(item, self._link.shares_memory, self._pool)
         try:
-            await self._send_frame(Kind.MESSAGE | packed.flag, packed.body, fd=packed.fd)
+            await self._send_frame(
+                Kind.MESSAGE | packed.flag, packed.body, self._claimer(packed), packed.fd
+            )
         finally:
             packed.close()  # the queue holds a copy of its own
         # The checkpoint's yield comes once the frame is out, while the rank
@@ -455,6 +467,8 @@ class Conversation:
                 self._queue(
                     Kind.CALL | request.flag, CALL_ID.pack(call_id) + request.body, request.fd
                 )
+                if isinstance(request, PooledPacked):
+                    request.claim(self)  # this rank maps the segment until it says otherwise
 
     def reply(self, call_id: int) -> Payload | None:
         """The payload of the reply to ``call_id``, once it came."""
@@ -481,6 +495,12 @@ class Conversation:
         self._callers.pop(call_id, None)
         if call_id in self._replies and self._replies.pop(call_id) is None:
             self._cancel_call(call_id)
+
+    def _claimer(self, packed: Packed) -> Callable[[], None] | None:
+        """What claims ``packed``'s segment for this rank once its frame is queued, if pooled."""
+        if not isinstance(packed, PooledPacked):
+            return None
+        return lambda: packed.claim(self)
 
     def _cancel_call(self, call_id: int) -> None:
         """Tell the rank nobody waits for ``call_id`` any more: it cancels the handler.
@@ -610,6 +630,10 @@ class Conversation:
         elif kind == Kind.CLOSE:
             self._rank_closed = True
             self.release()
+            return
+        elif kind == Kind.RELEASED:
+            if self._pool is not None and not isinstance(payload, Mapped):
+                self._pool.released(TOKEN.unpack(payload)[0], self)
             return
         self._arrived.notify()
 

@@ -570,6 +570,7 @@ class Group(Generic[T]):
                 if rank.exit is not None:
                     self._record_exit(rank, rank.exit)
             self._live.release(self._ranks)
+            await self._live.aclose()  # the pool of shared memory, freed off the loop
             await self._launcher.aclose()
         finally:
             # Nothing more can come, even from a rank stuck in the kernel.

@@ -31,6 +31,7 @@ from ._concurrency import Broadcast
 from ._events import EventLog, Ready
 from ._outcome import BrokenChannel, RankExit, rebuild_raised
 from ._pickles import decode, encode
+from ._pool import SegmentPool, close_all, pool_bytes
 
 if TYPE_CHECKING:
     from aiospawn._rank.buffers import Packed
@@ -75,6 +76,10 @@ class LiveRanks:
         self._channels: dict[RankHandle, Conversation] = {}
         self._closed = False  # the block ended: ranks' serve() may return
         self._call_ids = itertools.count(1)
+        # The reused memfds of large buffers sent to the ranks: made with the
+        # first attempt whose link shares memory, kept across restarts, given
+        # up at the group's end (aclose).
+        self._pool: SegmentPool | None = None
 
     # ------------------------------------------------------------ the group's
 
@@ -82,8 +87,17 @@ class LiveRanks:
         """Open the channel of a new attempt, if the backend gives it one."""
         if rank.link is None:
             return
+        pool = None
+        if rank.link.shares_memory:
+            if self._pool is None:
+                self._pool = SegmentPool(
+                    pool_bytes(),
+                    getattr(rank.link, "keep_descriptor", None),
+                    getattr(rank.link, "drop_descriptor", None),
+                )
+            pool = self._pool
         channel = self._channels[rank] = Conversation(
-            rank, rank.link, self._on_ready, self._on_broken, self._exit_of
+            rank, rank.link, self._on_ready, self._on_broken, self._exit_of, pool
         )
         if self._closed:
             channel.close_sending()
@@ -113,6 +127,20 @@ class LiveRanks:
             channel = self._channels.pop(rank, None)
             if channel is not None:
                 channel.drain_and_release()
+
+    async def aclose(self) -> None:
+        """Give up the pool's segments: the group has ended, and its ranks with it.
+
+        Their memory is freed on a worker thread (some tens of milliseconds
+        per 100 MB here), not on the loop. A segment a late ``send()`` still
+        writes is closed once it is done.
+        """
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
+            evicted = pool.evicted()
+            if evicted:  # most groups never sent a large buffer: no thread for them
+                await anyio.to_thread.run_sync(close_all, evicted)
 
     def is_ready(self, rank: RankHandle) -> bool:
         """True if ``rank`` has called ``aiospawn.ready()``."""
@@ -187,7 +215,7 @@ class LiveRanks:
         # Encoded once for every rank: a large buffer is written into one
         # memfd, which each rank maps (each queue sends a copy of its descriptor).
         shared = all(channel.shares_memory for channel in channels.values())
-        request = await encode((method, args, kwargs), shared)
+        request = await encode((method, args, kwargs), shared, self._pool if shared else None)
         try:
             return await self._call(method, request, channels, targets, timeout)
         finally:

@@ -18,6 +18,8 @@ Over a link that shares memory (``Link.shares_memory``: local ranks on
 Linux), out-of-band buffers of ``buffers.SHARED_BYTES`` (1 MiB) or more are
 left out of the pickle and written into a memfd, on a worker thread, which
 travels with the frame (``aiospawn._rank.buffers``); the receiver maps it.
+The supervisor's memfds are its group's reused segments where one is free
+(``_pool``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ import anyio.to_thread
 
 from aiospawn._rank import buffers, wire
 from aiospawn._rank.buffers import Mapped, Packed
+
+from ._pool import Segment, SegmentPool, close_all
 
 T = TypeVar("T")
 
@@ -76,16 +80,20 @@ class _Sink:
         return size
 
 
-async def encode(obj: Any, shared: bool = False) -> Packed:
+async def encode(obj: Any, shared: bool = False, pool: SegmentPool | None = None) -> Packed:
     """Pickle ``obj``: on the loop while it is quick, else again on a worker thread.
 
     Args:
         obj: What to send.
         shared: Large out-of-band buffers go into a memfd (the link shares memory).
+        pool: The group's segments (``_pool``), reused for those buffers where
+            one is free; without one, or without room, a fresh memfd.
 
     Returns:
         The frame's body, and the memfd if one was made: the caller closes it
-        (``Packed.close()``) once the frame is queued, whatever happens.
+        (``Packed.close()``) once the frame is queued, whatever happens. A
+        pooled message (``_pool.PooledPacked``) is claimed for each channel
+        it is queued on.
 
     Raises:
         TypeError: ``obj`` cannot be pickled (whatever its pickling raised,
@@ -98,15 +106,19 @@ async def encode(obj: Any, shared: bool = False) -> Packed:
     try:
         buffers.pickler(sink, large).dump(obj)
     except _TooLarge:
-        # The thread's result comes back even if the task is cancelled
-        # meanwhile (anyio waits for the thread): its memfd is never lost.
-        packed = await _off_loop(_dumps, obj, shared)
+        if pool is None:
+            # The thread's result comes back even if the task is cancelled
+            # meanwhile (anyio waits for the thread): its memfd is never lost.
+            packed = await _off_loop(_dumps, obj, shared)
+        else:
+            body, large = await _off_loop(_pickle_apart, obj, shared)
+            packed = await _share(body, large, pool) if large else Packed(body)
     except BaseException as exc:  # a __reduce__ may raise SystemExit: still obj's error
         raise _unpicklable(obj, exc) from exc
     else:
         body = sink.parts[0] if len(sink.parts) == 1 else b"".join(sink.parts)
         # Writing the buffers into the memfd copies them: off the loop.
-        packed = await _off_loop(buffers.pack, body, large) if large else Packed(body)
+        packed = await _share(body, large, pool) if large else Packed(body)
     try:
         wire.check_size(len(packed.body))
     except ValueError:
@@ -115,13 +127,50 @@ async def encode(obj: Any, shared: bool = False) -> Packed:
     return packed
 
 
+async def _share(body: bytes, large: list[memoryview], pool: SegmentPool | None) -> Packed:
+    """Write ``large`` into a free segment of ``pool``, else into a fresh memfd, off the loop."""
+    if pool is None:
+        return await _off_loop(buffers.pack, body, large)
+    spans, end = buffers.place(large)
+    segment = pool.take(end)
+    # Given up to make room: closed on the thread, where freeing their pages
+    # does not hold up the loop.
+    evicted = pool.evicted()
+    if segment is None:
+        return await _off_loop(_pack_fresh, body, large, evicted)
+    packed = pool.packed(segment, buffers.layout(spans, segment.token) + body)
+    try:
+        await _off_loop(_rewrite, segment, spans, large, evicted)
+    except BaseException:
+        packed.close()
+        raise
+    return packed
+
+
+def _pack_fresh(body: bytes, large: list[memoryview], evicted: list[Any]) -> Packed:
+    close_all(evicted)
+    return buffers.pack(body, large)
+
+
+def _rewrite(
+    segment: Segment, spans: list[tuple[int, int]], large: list[memoryview], evicted: list[Any]
+) -> None:
+    close_all(evicted)
+    segment.write(spans, large)
+
+
 def _dumps(obj: Any, shared: bool) -> Packed:
+    body, large = _pickle_apart(obj, shared)
+    return buffers.pack(body, large) if large else Packed(body)
+
+
+def _pickle_apart(obj: Any, shared: bool) -> tuple[bytes, list[memoryview] | None]:
     large: list[memoryview] | None = [] if shared else None
     try:
         body = buffers.pickle_body(obj, large)
     except BaseException as exc:
         raise _unpicklable(obj, exc) from exc
-    return buffers.pack(body, large) if large else Packed(body)
+    return body, large
 
 
 def _unpicklable(obj: Any, exc: BaseException) -> TypeError:

@@ -42,6 +42,13 @@ class SocketLink:
     #: Frames may carry a memfd: the rank's socket passes descriptors.
     shares_memory = buffers.AVAILABLE
 
+    #: The group's pool (``_core._pool``) records the memfds it keeps open as
+    #: the local backend's, so that a ``fork`` rank closes its copies: a
+    #: segment the pool gave up would otherwise stay in memory for as long
+    #: as such a rank lives.
+    keep_descriptor = staticmethod(_pipes.track)
+    drop_descriptor = staticmethod(_pipes.forget)
+
     def __init__(self, fd: int) -> None:
         os.set_blocking(fd, False)
         self._fd: int | None = fd

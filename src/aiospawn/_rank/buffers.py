@@ -3,28 +3,39 @@
 A message is pickled once, with protocol 5. Its out-of-band buffers (a numpy
 array's data, a ``bytearray``, a ``pickle.PickleBuffer``, a CPU tensor's
 bytes) of :data:`SHARED_BYTES` or more are not copied into the pickle: they
-are written, one after another, into an anonymous memfd, sealed so that nobody
-can change or shrink it afterwards, and the frame that carries the pickle
-carries the memfd's descriptor too (``SCM_RIGHTS`` over the rank's Unix
-socket). The receiver maps the memfd privately (copy-on-write) and unpickles
-with slices of the mapping as the buffers::
+are written, one after another, into an anonymous memfd, and the frame that
+carries the pickle carries the memfd's descriptor too (``SCM_RIGHTS`` over
+the rank's Unix socket). The receiver maps the memfd privately
+(copy-on-write) and unpickles with slices of the mapping as the buffers::
 
     sender:   pickle ─┬─► frame: kind|SHARED, [call id], layout, pickle ──┐
-                      └─► memfd (buffers, sealed) ── fd ─► SCM_RIGHTS ────┤
+                      └─► memfd (buffers) ── fd ─► SCM_RIGHTS ─────────────┤
     receiver: recvmsg ─► frame + fd ─► mmap(MAP_PRIVATE) ─► pickle.loads(buffers=slices)
+              ... last user gone ─► munmap ─► RELEASED(token) ─► sender   (pooled only)
 
 The layout (:data:`LAYOUT`, then one :data:`SPAN` per buffer) says where each
 buffer lies in the memfd. Smaller buffers, and every buffer where memfds or
 descriptor passing are missing (not Linux, the Ray backend), stay in the
 pickle as before.
 
-Value semantics: the receiver's mapping is private and the memfd is sealed
-against writes, so neither side ever sees the other's later writes; the
-receiver may write to what it got (its pages are copied as it writes them).
-The memory is the kernel's until the last descriptor and the last mapping go:
-the sender closes its descriptors once the frame is written, the receiver as
-soon as it has mapped the memfd, and the mapping goes with the last object
-that uses it. Nothing has a name, so nothing outlives both processes.
+Two kinds of memfd. A fresh one (:func:`pack`) is sealed against writes,
+shrinking and growth once written: nobody can change it afterwards. A
+*pooled* one, a segment the supervisor rewrites (``aiospawn._core._pool``,
+:func:`new_segment`), is sealed against resizing only; its layout sets
+:data:`POOLED` and names the segment's :data:`TOKEN`, and the receiver, once
+its mapping is gone, hands the token to the ``release`` callback its reader
+was given (a rank's channel sends a RELEASED frame). The sender rewrites a
+segment only once every receiver has released it.
+
+Value semantics: the receiver's mapping is private, so its writes are its
+own. A page it has not written shows later writes to the file (Linux): a
+fresh memfd has none, and a pooled segment is not rewritten while mapped. So
+neither side ever sees the other's later writes. The memory is the kernel's
+until the last descriptor and the last mapping go: the sender closes the
+descriptors of a fresh memfd once the frame is written (the pool keeps its
+segments' until the group ends), the receiver as soon as it has mapped the
+memfd, and the mapping goes with the last object that uses it. Nothing has a
+name, so nothing outlives both processes.
 
 Torch CPU tensors (only if the program imported torch: this module never
 does) are pickled by :func:`_reduce_tensor` as their bytes, an out-of-band
@@ -56,8 +67,15 @@ SHARED_BYTES = 1 << 20
 #: its descriptor carries the memfd.
 SHARED = 0x80
 
-#: A shared frame's layout: the number of buffers ...
+#: A shared frame's layout: the number of buffers (with :data:`POOLED` set
+#: if a :data:`TOKEN` follows) ...
 LAYOUT = struct.Struct("!I")
+#: The bit of the layout's first word that says the memfd is one of the
+#: supervisor's reused segments, named by the :data:`TOKEN` after the word.
+POOLED = 1 << 31
+#: What the receiver of a pooled segment sends back (a RELEASED frame) once
+#: it has unmapped it: the segment's token.
+TOKEN = struct.Struct("!Q")
 #: ... then, for each, its offset in the memfd and its size in bytes.
 SPAN = struct.Struct("!QQ")
 #: The most buffers one message may name: it bounds what a layout makes a receiver build.
@@ -204,18 +222,11 @@ def pack(body: bytes, large: list[memoryview]) -> Packed:
     """
     import fcntl
 
-    spans = []
-    end = 0
-    for view in large:
-        spans.append((end, view.nbytes))
-        end += -(-view.nbytes // _ALIGN) * _ALIGN
+    spans, end = place(large)
     fd = os.memfd_create("aiospawn", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, end)
-        for (offset, size), view in zip(spans, large, strict=True):
-            written = 0
-            while written < size:  # a write is capped (at 2 GiB on Linux)
-                written += os.pwrite(fd, view[written:], offset + written)
+        write_buffers(fd, spans, large)
         # Sealed: no writes (value semantics), and no shrinking, which would
         # turn the receiver's reads past the new end into SIGBUS.
         fcntl.fcntl(
@@ -226,44 +237,117 @@ def pack(body: bytes, large: list[memoryview]) -> Packed:
     except BaseException:
         os.close(fd)
         raise
-    layout = [LAYOUT.pack(len(spans))]
-    layout.extend(SPAN.pack(offset, size) for offset, size in spans)
-    return Packed(b"".join(layout) + body, fd)
+    return Packed(layout(spans) + body, fd)
+
+
+def place(large: list[memoryview]) -> tuple[list[tuple[int, int]], int]:
+    """``(spans, end)``: where each buffer goes in a memfd (aligned), and the bytes they need."""
+    spans = []
+    end = 0
+    for view in large:
+        spans.append((end, view.nbytes))
+        end += -(-view.nbytes // _ALIGN) * _ALIGN
+    return spans, end
+
+
+def write_buffers(fd: int, spans: list[tuple[int, int]], large: list[memoryview]) -> None:
+    """Write each of ``large`` at its span's offset in the memfd ``fd``.
+
+    Raises:
+        OSError: The memfd could not be filled (out of memory).
+    """
+    for (offset, size), view in zip(spans, large, strict=True):
+        written = 0
+        while written < size:  # a write is capped (at 2 GiB on Linux)
+            written += os.pwrite(fd, view[written:], offset + written)
+
+
+def layout(spans: list[tuple[int, int]], token: int | None = None) -> bytes:
+    """The layout of a shared frame: its buffers' spans, and a pooled segment's token."""
+    if token is None:
+        parts = [LAYOUT.pack(len(spans))]
+    else:
+        parts = [LAYOUT.pack(len(spans) | POOLED), TOKEN.pack(token)]
+    parts.extend(SPAN.pack(offset, size) for offset, size in spans)
+    return b"".join(parts)
+
+
+def new_segment(size: int) -> tuple[int, int]:
+    """A memfd of ``size`` bytes to be rewritten: ``(its writable fd, a read-only one to send)``.
+
+    Sealed against shrinking and growing (a receiver's reads past a new end
+    would be SIGBUS) and against further seals (a receiver could otherwise
+    seal it against the sender's next write), not against writes: the sender
+    rewrites it once every receiver has unmapped it. Receivers get the
+    read-only descriptor: they cannot write through it, nor add seals.
+
+    Raises:
+        OSError: The memfd could not be made.
+    """
+    import fcntl
+
+    fd = os.memfd_create("aiospawn", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(
+            fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+        )
+        # A new open file description, read-only, of the same memfd.
+        read_only = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, read_only
 
 
 def layout_size(payload: bytes | bytearray, start: int) -> int:
     """The size of the layout at ``payload[start:]``; 0 if it does not fit (a broken frame)."""
     if len(payload) < start + LAYOUT.size:
         return 0
-    (count,) = LAYOUT.unpack_from(payload, start)
-    size = LAYOUT.size + count * SPAN.size
+    (word,) = LAYOUT.unpack_from(payload, start)
+    count = word & ~POOLED
+    size = LAYOUT.size + (TOKEN.size if word & POOLED else 0) + count * SPAN.size
     return size if count <= MAX_BUFFERS and len(payload) >= start + size else 0
 
 
-def map_shared(payload: bytes | bytearray, start: int, fd: int) -> Mapped:
+def map_shared(payload: bytes | bytearray, start: int, fd: int, release: Any = None) -> Mapped:
     """Map the memfd ``fd`` of a shared frame's ``payload``, whose layout is at ``start``.
 
     Closes nothing: the caller closes ``fd`` (the mapping does not need it).
+    A pooled segment (the supervisor's, see :data:`POOLED`) is accepted only
+    with ``release``, called with its token once the mapping is gone (from
+    whichever thread drops the last object that uses it).
 
     Raises:
         ValueError: The layout or the memfd is not what a sender makes (not
-            sealed, smaller than the layout says): the frame breaks the format.
+            sealed, smaller than the layout says, pooled where ``release`` is
+            None): the frame breaks the format.
     """
     import fcntl
 
     size = layout_size(payload, start)
     if not size:
         raise ValueError("a shared frame whose layout is cut short or names too many buffers")
+    (word,) = LAYOUT.unpack_from(payload, start)
+    pooled = bool(word & POOLED)
+    count = word & ~POOLED
+    token = 0
+    if pooled:
+        if release is None:
+            raise ValueError("a shared frame in a pooled segment, which only the supervisor sends")
+        (token,) = TOKEN.unpack_from(payload, start + LAYOUT.size)
     try:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     except OSError:
         seals = 0
-    wanted = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_WRITE
+    # A pooled segment is rewritten once every receiver has released it: not
+    # write-sealed, but never resized.
+    wanted = fcntl.F_SEAL_SHRINK | (0 if pooled else fcntl.F_SEAL_WRITE)
     if seals & wanted != wanted:
         raise ValueError("a shared frame whose descriptor is not a sealed memfd")
     length = os.fstat(fd).st_size
-    (count,) = LAYOUT.unpack_from(payload, start)
-    spans = [SPAN.unpack_from(payload, start + LAYOUT.size + i * SPAN.size) for i in range(count)]
+    first = start + size - count * SPAN.size
+    spans = [SPAN.unpack_from(payload, first + i * SPAN.size) for i in range(count)]
     for offset, span in spans:
         if offset + span > length:
             raise ValueError(
@@ -271,19 +355,24 @@ def map_shared(payload: bytes | bytearray, start: int, fd: int) -> Mapped:
             )
     rest = bytes(payload[:start]) + bytes(payload[start + size :])
     if length == 0:
+        if pooled:
+            release(token)  # nothing is mapped: nothing to wait for
         return Mapped(rest, [memoryview(bytearray()) for _ in spans])
-    whole = _map_private(fd, length)
+    whole = _map_private(fd, length, release if pooled else None, token)
     return Mapped(rest, [whole[offset : offset + span] for offset, span in spans])
 
 
-def _map_private(fd: int, length: int) -> memoryview:
+def _map_private(fd: int, length: int, release: Any = None, token: int = 0) -> memoryview:
     """A private, writable mapping of ``length`` bytes of ``fd``, unmapped when its last view goes.
 
     Private: the receiver may write to what it got, and its pages are copied
-    as it does; the seal keeps the sender's later writes out. Not through
-    ``mmap.mmap``, which keeps a duplicate of the descriptor for as long as
-    the mapping lives (before Python 3.13's ``trackfd``): a process holding
-    many received arrays would run out of descriptors.
+    as it does. A page it has not written still shows the file's later
+    writes (Linux): a sealed memfd has none, and a pooled segment is
+    rewritten only after ``release(token)``, which is called once the
+    mapping is gone. Not through ``mmap.mmap``, which keeps a duplicate of
+    the descriptor for as long as the mapping lives (before Python 3.13's
+    ``trackfd``): a process holding many received arrays would run out of
+    descriptors.
     """
     import ctypes
     import mmap
@@ -295,8 +384,42 @@ def _map_private(fd: int, length: int) -> memoryview:
         error = ctypes.get_errno()
         raise OSError(error, f"cannot map the memfd: {os.strerror(error)}")
     memory = (ctypes.c_char * length).from_address(address)
-    weakref.finalize(memory, libc.munmap, ctypes.c_void_p(address), ctypes.c_size_t(length))
+    weakref.finalize(memory, _unmap, address, length, release, token)
     return memoryview(memory).cast("B")
+
+
+def map_writable(fd: int, length: int) -> tuple[memoryview, Any]:
+    """A shared, writable mapping of the memfd ``fd``, its page tables filled at once.
+
+    For a sender that rewrites a segment again and again: copying into the
+    mapping costs less than ``pwrite``, which looks up each page. Returns the
+    mapping and what unmaps it (callable once; the view is unusable after).
+
+    Raises:
+        OSError: It cannot be mapped.
+    """
+    import ctypes
+    import mmap
+    import weakref
+
+    libc = _libc()
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    address = libc.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
+    if address is None or address == ctypes.c_void_p(-1).value:
+        error = ctypes.get_errno()
+        raise OSError(error, f"cannot map the memfd: {os.strerror(error)}")
+    memory = (ctypes.c_char * length).from_address(address)
+    unmap = weakref.finalize(memory, _unmap, address, length, None, 0)
+    return memoryview(memory).cast("B"), unmap
+
+
+def _unmap(address: int, length: int, release: Any, token: int) -> None:
+    """Unmap a mapping; then, for a pooled segment, tell the sender it may rewrite it."""
+    import ctypes
+
+    _libc().munmap(ctypes.c_void_p(address), ctypes.c_size_t(length))
+    if release is not None:
+        release(token)
 
 
 _LIBC: Any = None

@@ -11,6 +11,11 @@ a kind byte, a length, a pickle. The kinds are :class:`~.wire.Link`'s.
   ``async def fn``, imported by such a rank alone. Both take their frames
   through one :class:`Frames`, and differ only in how they wait.
 - :func:`~aiospawn._rank.api.ready` sends one READY frame.
+- A large buffer the supervisor sent in one of its pooled segments
+  (``buffers``) is given back with a RELEASED frame once the last object that
+  uses its mapping goes: :meth:`Frames.release_mapping`, called by the
+  mapping's finalizer in whichever thread drops it, never waits for the
+  outgoing queue's lock (the thread may hold it).
 - ``serve(handler)`` answers CALL frames with REPLY frames until the
   supervisor closes its end. A CANCEL frame names a call the supervisor no
   longer waits for: a call not yet started is dropped here, as the frame is
@@ -84,7 +89,13 @@ class Frames:
         self._out = FrameQueue()
         #: Large buffers sent from here go through a memfd.
         self.shares_memory = shares_memory and buffers.AVAILABLE
-        self._in = FrameStream(TO_RANK, self.shares_memory, fd)
+        #: Tokens of pooled segments unmapped here and not yet queued (RELEASED).
+        self._releases: collections.deque[int] = collections.deque()
+        # Guards the outgoing queue: a release is queued from whichever
+        # thread the garbage collector drops a mapping in.
+        self._queue_lock = _thread.allocate_lock()
+        self._pid = os.getpid()
+        self._in = FrameStream(TO_RANK, self.shares_memory, fd, self.release_mapping)
         self._poller: Any = None  # made by the first blocking wait, then kept
         self.messages: collections.deque[Payload] = collections.deque()
         self.calls: collections.deque[Payload] = collections.deque()
@@ -100,7 +111,43 @@ class Frames:
 
     def queue(self, kind: int, payload: bytes, fd: int = -1) -> None:
         self._check_open()
-        self._out.add(kind, payload, fd)
+        with self._queue_lock:
+            self._queue_releases()
+            self._out.add(kind, payload, fd)
+        self._send_releases()
+
+    def release_mapping(self, token: int) -> None:
+        """Tell the supervisor a pooled segment is unmapped here (a RELEASED frame).
+
+        Called by a mapping's finalizer, in whichever thread the last object
+        that used it went, perhaps one that holds the queue's lock right now
+        (the collector runs anywhere): so it never waits for the lock. If
+        the lock is taken, the token waits, and goes out with the next frame
+        queued or written.
+        """
+        if self.closed or os.getpid() != self._pid:  # a child forked by fn holds no claim
+            return
+        self._releases.append(token)
+        self._send_releases()
+
+    def _send_releases(self) -> None:
+        """Queue and write the waiting releases, if nobody holds the queue's lock."""
+        while self._releases and self._queue_lock.acquire(False):
+            try:
+                if self.closed:  # checked under the lock: the descriptor is still ours
+                    self._releases.clear()
+                    return
+                self._queue_releases()
+                with contextlib.suppress(OSError):  # the supervisor is gone: nobody waits
+                    self._out.write_some(self.fd)
+            finally:
+                self._queue_lock.release()
+
+    def _queue_releases(self) -> None:
+        """Move the waiting releases into the queue (the queue's lock is held)."""
+        while self._releases:
+            token = self._releases.popleft()
+            self._out.add(Link.RELEASED, buffers.TOKEN.pack(token))
 
     def queue_packed(self, kind: int, packed: Packed) -> None:
         """Queue ``packed`` as a ``kind`` frame, and close its memfd (the queue has a copy)."""
@@ -116,13 +163,20 @@ class Frames:
     def write_some(self) -> bool:
         """Write what the socket takes now; True once nothing is left queued."""
         try:
-            return self._out.write_some(self.fd)
+            with self._queue_lock:
+                self._queue_releases()
+                done = self._out.write_some(self.fd)
         except BrokenPipeError:
             # The supervisor closed its end (or is gone): nothing written
             # could be read.
-            self._out.clear()
+            with self._queue_lock:
+                self._out.clear()
             self.peer_closed = True
             raise BrokenPipeError("the supervisor closed this rank's channel") from None
+        # A release that came while the lock was held goes out now, not
+        # with some later frame.
+        self._send_releases()
+        return done and not self.unsent
 
     def read_some(self) -> None:
         """Read what the socket holds now, sorting each complete frame by kind."""
@@ -215,8 +269,9 @@ class Frames:
 
     def close(self) -> None:
         if not self.closed:
-            self.closed = True
-            self._out.clear()
+            with self._queue_lock:  # a release being written finishes first
+                self.closed = True
+                self._out.clear()
             self.forget_socket()
             os.close(self.fd)
 
@@ -468,7 +523,8 @@ def finish(frames: Frames | None, patience: float) -> None:
     if frames is None or frames.closed:
         return
     if identity(frames.fd) != frames._identity:
-        frames.closed = True
+        with frames._queue_lock:  # no release is written to the number's new file
+            frames.closed = True
         frames.forget_socket()
         return
     if frames.unsent:

@@ -27,7 +27,7 @@ import pickle
 import signal
 import struct
 
-from .buffers import LAYOUT, SHARED, Mapped, map_shared
+from .buffers import LAYOUT, SHARED, TOKEN, Mapped, map_shared
 
 # For the checker only: a rank never imports typing (the package's import rule).
 TYPE_CHECKING = False
@@ -96,6 +96,9 @@ class Link:
     #: was cancelled or timed out); the rank cancels its handler, or drops the
     #: call if it has not started it.
     CANCEL: Final = 6
+    #: ``buffers.TOKEN``: the rank has unmapped one frame's pooled segment
+    #: (``buffers.POOLED``); the supervisor may rewrite it once nobody maps it.
+    RELEASED: Final = 7
 
 
 #: The largest payload of a channel frame, either way: 1 GiB. A sender refuses
@@ -113,6 +116,7 @@ FROM_RANK: dict[int, tuple[int, int | None]] = {
     Link.READY: (0, None),
     Link.REPLY: (CALL_ID.size, None),
     Link.CLOSE: (0, 0),
+    Link.RELEASED: (TOKEN.size, TOKEN.size),
 }
 #: The same, for the frames the supervisor may send to a rank: a CANCEL is its
 #: :data:`CALL_ID` and nothing more.
@@ -134,6 +138,7 @@ _LINK_NAMES = {
     Link.REPLY: "REPLY",
     Link.CLOSE: "CLOSE",
     Link.CANCEL: "CANCEL",
+    Link.RELEASED: "RELEASED",
 }
 
 
@@ -272,11 +277,21 @@ class FrameStream:
         sizes: The kinds this end accepts (:data:`FROM_RANK`, :data:`TO_RANK`).
         shared: Frames may carry a memfd: reads take descriptors.
         fd: The socket's descriptor; the stream never closes it.
+        release: Given to each frame's reader (:class:`FrameReader`): called
+            with a pooled segment's token once its mapping is gone; None
+            refuses pooled segments.
     """
 
-    def __init__(self, sizes: dict[int, tuple[int, int | None]], shared: bool, fd: int) -> None:
+    def __init__(
+        self,
+        sizes: dict[int, tuple[int, int | None]],
+        shared: bool,
+        fd: int,
+        release: Any = None,
+    ) -> None:
         self._sizes = sizes
         self._shared = shared
+        self._release = release
         self._fd = fd
         self._sock: Any = None
         if shared:
@@ -293,7 +308,7 @@ class FrameStream:
         #: emptied, and another read would most likely find nothing.
         self.drained = True
         #: The frame read in part, across reads.
-        self._reader = FrameReader(sizes, shared)
+        self._reader = FrameReader(sizes, shared, release)
         self._complete: collections.deque[FrameReader | tuple[int, bytes]] = collections.deque()
         self._error: FrameError | None = None
         #: True once the other end closed (or reset) the stream.
@@ -422,7 +437,7 @@ class FrameStream:
             pos += taken
             if reader.complete:
                 self._complete.append(reader)
-                self._reader = FrameReader(self._sizes, self._shared)
+                self._reader = FrameReader(self._sizes, self._shared, self._release)
         if fds:
             target = started if started is not None else owner
             if isinstance(target, FrameReader):
@@ -432,7 +447,7 @@ class FrameStream:
             else:  # a whole frame without the SHARED flag: the descriptors make it break
                 assert self._complete[-1] is target  # no frame starts after it
                 self._complete.pop()
-                broken = FrameReader(self._sizes, self._shared)
+                broken = FrameReader(self._sizes, self._shared, self._release)
                 broken.feed(HEADER.pack(target[0], len(target[1])) + target[1])
                 broken.add_fds(fds)
                 self._complete.append(broken)
@@ -535,13 +550,23 @@ class FrameReader:
         sizes: The kinds this reader accepts, each with its payload's bounds
             (:data:`FROM_RANK`, :data:`TO_RANK`); ``None`` accepts any frame
             (the outcome frame, whose size only the rank's result bounds).
+        shared: Frames may carry a memfd (``buffers.SHARED``), mapped as they complete.
+        release: Called with a pooled segment's token once its mapping is
+            gone (a rank's reader: see ``buffers.map_shared``); None refuses
+            pooled segments (the supervisor's reader).
     """
 
     def __init__(
-        self, sizes: dict[int, tuple[int, int | None]] | None = None, shared: bool = False
+        self,
+        sizes: dict[int, tuple[int, int | None]] | None = None,
+        shared: bool = False,
+        release: Any = None,
     ) -> None:
         self._sizes = sizes
         self._shared = shared
+        #: Called with a pooled segment's token once its mapping is gone
+        #: (``buffers.map_shared``); None refuses pooled segments.
+        self._release = release
         self._header = bytearray()
         self._kind: int | None = None
         self._size = 0
@@ -629,8 +654,9 @@ class FrameReader:
         if high == 0 and size != 0:
             raise FrameError(f"a {name} frame of {size} bytes (a {name} frame is empty)")
         if high == low and size != low:
+            what = "token" if kind == Link.RELEASED else "call id"
             raise FrameError(
-                f"a {name} frame of {size} bytes (a {name} frame is its {low}-byte call id)"
+                f"a {name} frame of {size} bytes (a {name} frame is its {low}-byte {what})"
             )
         if size < low:
             raise FrameError(f"a {name} frame of {size} bytes, shorter than its {low}-byte call id")
@@ -680,7 +706,9 @@ class FrameReader:
                     " descriptor(s), not one"
                 )
             try:
-                mapped = map_shared(self._payload, SHARED_KINDS[kind & ~SHARED], fds[0])
+                mapped = map_shared(
+                    self._payload, SHARED_KINDS[kind & ~SHARED], fds[0], self._release
+                )
             except (ValueError, OSError) as exc:
                 raise FrameError(f"a broken shared {_name(kind & ~SHARED)} frame: {exc}") from None
         finally:
