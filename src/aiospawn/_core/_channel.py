@@ -199,7 +199,8 @@ class Conversation:
         self._room = Broadcast()  # the inbox has room again
         self._written = Broadcast()  # bytes went out, or writing failed
         self._pumping: anyio.abc.TaskGroup | None = None  # the pump's, while it runs
-        self._writing = False  # a writer task waits for the socket to take more
+        self._writing = False  # a writer task is started ...
+        self._writer_waits = False  # ... and waits for the socket to take more
         self._queued_bytes = 0  # bytes ever queued ...
         self._written_bytes = 0  # ... and ever written: a frame is out once this passes its end
         self._write_failed = False  # the rank's end is closed
@@ -267,7 +268,10 @@ class Conversation:
                     await self._read_frames()
                 finally:
                     self._pumping = None
-                if self._writing:
+                if self._writer_waits:
+                    # A writer not yet run is left to end by itself (the
+                    # stream has ended: it finds nothing to write); cancelled
+                    # before its first step, its coroutine would never run.
                     tg.cancel_scope.cancel()
         finally:
             if eager:
@@ -371,7 +375,11 @@ class Conversation:
         """Write out the queue as the socket takes it; end once it is empty or writing has ended."""
         try:
             while not self._write_some():
-                await self._link.wait_writable()
+                self._writer_waits = True
+                try:
+                    await self._link.wait_writable()
+                finally:
+                    self._writer_waits = False
         finally:
             self._writing = False
 
