@@ -145,10 +145,14 @@ class Launcher:
         """After the test: nothing of this session may be left, whatever happened."""
         if self.proc.returncode is None:
             self.proc.kill()
-            self.proc.communicate()
+        # First what is left of the session: ranks that outlived their
+        # launcher (a test that failed) hold its pipes, and reading them to
+        # their end would wait for those ranks forever.
         for pid in session_members(self.proc.pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        if self.proc.returncode is None:
+            self.proc.communicate()
 
 
 @pytest.fixture
