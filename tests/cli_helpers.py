@@ -143,12 +143,17 @@ class Launcher:
 
     def cleanup(self) -> None:
         """After the test: nothing of this session may be left, whatever happened."""
-        if self.proc.returncode is None:
-            self.proc.kill()
-            self.proc.communicate()
+        running = self.proc.returncode is None
+        if running:
+            self.proc.kill()  # which reaps it if it is dead already: still read its pipes
+        # First what is left of the session: ranks that outlived their
+        # launcher (a test that failed) hold its pipes, and reading them to
+        # their end would wait for those ranks forever.
         for pid in session_members(self.proc.pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        if running:
+            self.proc.communicate()
 
 
 @pytest.fixture

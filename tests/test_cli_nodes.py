@@ -22,6 +22,7 @@ from typing import Any, ParamSpec
 
 import pytest
 
+from aiospawn._cli._rendezvous import LOST_AFTER
 from tests.cli_helpers import (
     REPO,
     TRIPWIRE,
@@ -333,19 +334,72 @@ def test_max_restarts_makes_a_new_round_on_every_node(launchers: list[Launcher])
     assert rounds == {"0": {0, 1, 2, 3}, "1": {0, 1, 2, 3}}
 
 
+#: From a launcher's SIGKILL to its ranks gone (seconds): each rank's guard
+#: thread waits on a pidfd of its launcher and kills the rank's process group
+#: at once (``aiospawn._rank.guard``); the rest is margin for a loaded machine.
+RANK_DEATH_BOUND = 5.0
+
+
 @needs_torch
-def test_a_node_whose_launcher_is_killed_is_noticed_by_the_others(
+@pytest.mark.parametrize("killed", [0, 1])
+def test_a_node_whose_launcher_is_killed_outright_takes_its_ranks_and_the_job_with_it(
+    killed: int, launchers: list[Launcher]
+) -> None:
+    # Node 0 holds the static rendezvous's store. Node 1's death is noticed by
+    # its heartbeat (LOST_AFTER, 10 s); node 0's by node 1's next read of the
+    # store, which fails.
+    nodes = start_nodes(launchers, "static", "--hang", "--wait", "sleep")
+    waiting = [_waiting(node, 2) for node in nodes]
+    other = 1 - killed
+    nodes[killed].proc.kill()
+    killed_at = time.monotonic()
+    # (a) Its ranks die with it: no launcher is left to stop them.
+    assert wait_until(lambda: all(is_gone(pid) for pid in waiting[killed]), RANK_DEATH_BOUND)
+    # (b) The other node stops its ranks and exits 1, naming the lost node.
+    bound = LOST_AFTER + STOP_BOUND if killed == 1 else STOP_BOUND
+    assert wait_until(lambda: all(is_gone(pid) for pid in waiting[other]), bound)
+    stopped_at = time.monotonic()
+    assert stopped_at - killed_at < bound
+    status, _, err = nodes[other].finish()
+    assert status == 1, err
+    # It does not wait for the lost node to leave with it (LEAVE_WAIT, 10 s).
+    assert time.monotonic() - stopped_at < STOP_BOUND, "the launcher waited for the lost node"
+    if killed == 1:
+        assert "node 1 was lost (no heartbeat for 10 s), seen by node 0" in err
+    else:
+        assert "the rendezvous store stopped answering" in err
+    assert "the ranks here were stopped" in err
+
+
+@needs_torch
+def test_a_signal_passed_on_reaches_the_ranks_then_the_job_stops_on_every_node(
     launchers: list[Launcher],
 ) -> None:
-    # Node 0 holds the static rendezvous's store; node 1's launcher dies.
-    nodes = start_nodes(launchers, "static", "--hang", "--wait", "sleep")
+    # SLURM's preemption warning, SIGUSR1 with --signals-to-handle: the
+    # ranks of the node that received it get it (to checkpoint), and once
+    # the shutdown timeout is over the job stops on every node, as torchrun's
+    # agent stops its workers.
+    nodes = start_nodes(
+        launchers,
+        "static",
+        "--hang",
+        "--wait",
+        "sleep",
+        "--on-usr1",
+        options=("--signals-to-handle", "SIGUSR1,SIGTERM,SIGINT", "--shutdown-timeout", "1"),
+    )
     waiting = [pid for node in nodes for pid in _waiting(node, 2)]
-    nodes[1].proc.kill()
-    # LOST_AFTER (10 s) without node 1's heartbeat, plus margin.
-    assert wait_until(lambda: all(is_gone(pid) for pid in waiting), 25.0)
-    status, _, err = nodes[0].finish()
-    assert status == 1, err
-    assert "node 1 was lost (no heartbeat for 10 s)" in err
+    nodes[1].signal(signal.SIGUSR1)
+    got = nodes[1].wait_for_lines(r"got SIGUSR1 (\d+)$", 2)
+    assert sorted(int(match[1]) for match in got) == [2, 3]
+    assert wait_until(lambda: all(is_gone(pid) for pid in waiting), STOP_BOUND)
+    outcomes = [node.finish() for node in nodes]
+    status = 128 + signal.SIGUSR1
+    assert [status for status, _, _ in outcomes] == [status, status], outcomes
+    assert "SIGUSR1 received: sent on to the ranks here" in outcomes[1][2]
+    assert "node 1 (" in outcomes[0][2]
+    assert "was stopped by SIGUSR1; the ranks here were stopped" in outcomes[0][2]
+    assert "got SIGUSR1" not in outcomes[0][1]  # sent on to the ranks of its own node only
 
 
 @needs_torch

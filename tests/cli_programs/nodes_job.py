@@ -8,6 +8,8 @@ status 3 after the first all-reduce (``--fail-once``: only in the first round,
 and sit in a second all-reduce that rank R never joins, as a job's ranks do
 when a peer dies. ``--hang``: every rank prints ``waiting PID`` and sits in
 that all-reduce after the first (``--hang-once``: only in the first round).
+``--on-usr1``: a rank prints ``got SIGUSR1 RANK`` when it receives SIGUSR1
+(as a job checkpoints on SLURM's preemption warning) and goes on waiting.
 ``--wait sleep``: the waiting is a sleep
 instead, which no peer's death ends (as an NCCL collective's often does not):
 only the launcher can stop such a rank.
@@ -17,6 +19,7 @@ import argparse
 import datetime
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -40,6 +43,7 @@ NAMES = (
     "TORCHELASTIC_RESTART_COUNT",
     "TORCHELASTIC_MAX_RESTARTS",
     "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCHELASTIC_SIGNALS_TO_HANDLE",
     "TORCH_NCCL_ASYNC_ERROR_HANDLING",
     "OMP_NUM_THREADS",
 )
@@ -51,7 +55,13 @@ if __name__ == "__main__":
     parser.add_argument("--hang", action="store_true")
     parser.add_argument("--hang-once", action="store_true")
     parser.add_argument("--wait", choices=("collective", "sleep"), default="collective")
+    parser.add_argument("--on-usr1", action="store_true")
     options = parser.parse_args()
+    if options.on_usr1:
+        signal.signal(
+            signal.SIGUSR1,
+            lambda *_: os.write(1, f"got SIGUSR1 {os.environ['RANK']}\n".encode()),
+        )
     # Long enough that a collective's own timeout never ends a test's wait.
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
     rank = dist.get_rank()

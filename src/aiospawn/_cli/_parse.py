@@ -47,8 +47,9 @@ __all__ = [
     "parser",
 ]
 
-#: Signals that make the launcher shut the ranks down.
-SHUTDOWN_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
+#: Signals that make the launcher shut the ranks down, in torchrun's order: the
+#: ranks see them joined in TORCHELASTIC_SIGNALS_TO_HANDLE, as torchrun's do.
+SHUTDOWN_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 
 PROG = "aiospawn"
 

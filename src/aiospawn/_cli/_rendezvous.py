@@ -218,9 +218,15 @@ class Round:
                 if last is None or last[0] != count:
                     self._beats[node] = (count, now)
                 elif now - last[1] > LOST_AFTER:
-                    return self.end(
+                    first = self.end(
                         self.record("lost", lost=node, why=f"no heartbeat for {LOST_AFTER:g} s")
                     )
+                    if first.get("kind") == "lost" and first.get("node") == self.node:
+                        # The lost node will never count itself as leaving
+                        # (leave()): count it once, here, where its loss was
+                        # recorded, so that the others do not wait for it.
+                        self.store.add("left", 1)
+                    return first
         except (RuntimeError, OSError, ValueError) as exc:  # torch's DistError is a RuntimeError
             return {
                 "kind": "lost",

@@ -34,9 +34,11 @@ import threading
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
+import anyio.abc
 
 import aiospawn
 from aiospawn._core._events import Exited
+from aiospawn._core._shutdown import DEFAULT_GRACE_PERIOD
 
 from ._errorfile import ERROR_FILE_VAR, root_cause_error, write_root_cause
 from ._plan import error_file
@@ -378,6 +380,14 @@ def _finish(plan: Plan, node: _Node, ending: dict[str, Any], error_files: str) -
 
 
 async def _on_signals(received: AsyncIterator[signal.Signals], node: _Node) -> None:
+    """Act on each signal received until the run ends; a signal passed on waits its grace here."""
+    async with anyio.create_task_group() as passing_on:
+        await _take_signals(received, node, passing_on)
+
+
+async def _take_signals(
+    received: AsyncIterator[signal.Signals], node: _Node, passing_on: anyio.abc.TaskGroup
+) -> None:
     """The first signal stops the job on every node; a second SIGINT kills the ranks here now."""
     run = node.run
     async for signum in received:
@@ -386,26 +396,46 @@ async def _on_signals(received: AsyncIterator[signal.Signals], node: _Node) -> N
         name = signal.Signals(signum).name
         if not run.signals:
             run.signals.append(signum)
+            grace = run.plan.grace_period
+            until = "30 s" if grace is None else f"{grace:g} s"
             if signum in STOPPING:
-                grace = run.plan.grace_period
-                until = "30 s" if grace is None else f"{grace:g} s"
                 say(
                     f"{name} received: stopping the ranks on every node (SIGTERM, then SIGKILL"
                     f" after {until}; Ctrl-C again kills the ranks here now)"
                 )
                 await node.stop(signum)
             else:
-                # Passed on to this node's ranks only: SLURM sends its preemption
-                # signal to every node's launcher itself.
-                say(f"{name} received: sent on to the ranks here")
-                group = run.group
-                if group is not None:
-                    for rank in group.statistics().ranks:
-                        if rank.state == "running" and rank.pid is not None:
-                            with contextlib.suppress(ProcessLookupError):
-                                os.killpg(rank.pid, signum)
-                run.signals.clear()
+                say(
+                    f"{name} received: sent on to the ranks here, which have {until} to exit"
+                    " before the job stops on every node"
+                )
+                passing_on.start_soon(_pass_on, node, signum)
         elif signum == signal.SIGINT:
             say("SIGINT again: killing the ranks here now")
             if run.group is not None:
                 await run.group.terminate(grace_period=0)
+
+
+async def _pass_on(node: _Node, signum: int) -> None:
+    """Send ``signum`` to this node's ranks; after the grace period, stop the job everywhere.
+
+    As torchrun's agent does with a signal of ``--signals-to-handle`` (and the
+    launcher on one machine): SLURM sends SIGUSR1 to every node's launcher
+    ahead of a preemption, the ranks checkpoint on it, and each node stops
+    its ranks once the grace period is over. A node whose ranks are still
+    running then stops the others too, as a SIGTERM here would.
+    """
+    run = node.run
+    group = run.group
+    if group is not None:
+        # A rank still "running" has not been reaped, and no await comes
+        # between this snapshot and the signal: the pid is still the rank's.
+        for rank in group.statistics().ranks:
+            if rank.state == "running" and rank.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(rank.pid, signum)
+    grace = run.plan.grace_period
+    await anyio.sleep(DEFAULT_GRACE_PERIOD if grace is None else grace)
+    await node.stop(signum)
+    if run.group is not None:
+        await run.group.terminate(grace_period=0)  # the grace is spent: SIGKILL
