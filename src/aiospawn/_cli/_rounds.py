@@ -43,7 +43,7 @@ from aiospawn._core._shutdown import DEFAULT_GRACE_PERIOD
 from ._errorfile import ERROR_FILE_VAR, root_cause_error, write_root_cause
 from ._plan import error_file
 from ._report import Run, report, say
-from ._run import STOPPING, start_group
+from ._run import STOPPING, signal_running_ranks, start_group
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable
@@ -426,14 +426,8 @@ async def _pass_on(node: _Node, signum: int) -> None:
     running then stops the others too, as a SIGTERM here would.
     """
     run = node.run
-    group = run.group
-    if group is not None:
-        # A rank still "running" has not been reaped, and no await comes
-        # between this snapshot and the signal: the pid is still the rank's.
-        for rank in group.statistics().ranks:
-            if rank.state == "running" and rank.pid is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(rank.pid, signum)
+    if run.group is not None:
+        signal_running_ranks(run.group, signum)
     grace = run.plan.grace_period
     await anyio.sleep(DEFAULT_GRACE_PERIOD if grace is None else grace)
     await node.stop(signum)
