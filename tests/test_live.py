@@ -418,7 +418,13 @@ async def test_send_eof_while_a_send_waits_for_a_rank_that_does_not_read(
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(send_all)
-                await anyio.wait_all_tasks_blocked()  # the send waits for the socket
+                # A first frame is out (the socket takes it whole); the ones
+                # after it fill the socket, and a send then waits for it. A
+                # blocked task may also be pickling on a worker thread: the
+                # send_eof() below refuses that send as well.
+                while not sent:
+                    await anyio.wait_all_tasks_blocked()
+                await anyio.wait_all_tasks_blocked()
                 tg.start_soon(channel.send_eof)
                 await anyio.wait_all_tasks_blocked()
                 go_writer.send("read now")
