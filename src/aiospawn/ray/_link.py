@@ -151,7 +151,7 @@ class RayLink:
         while self._pulled:
             head = self._pulled[0]
             taken = min(reader.wanted, len(head))
-            reader.feed(head[:taken])  # type: ignore[arg-type]  # feed takes any buffer
+            reader.feed(head[:taken])
             if taken == len(head):
                 self._pulled.popleft()
             else:
