@@ -8,8 +8,10 @@ What ranks see of it is in ``test_shared_memory``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 
 import pytest
 
@@ -29,6 +31,17 @@ def is_open(fd: int) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def opened(cap: int = 64 * MiB) -> Iterator[SegmentPool]:
+    """A pool, closed at the end, with the segments it gave up."""
+    pool = SegmentPool(cap)
+    try:
+        yield pool
+    finally:
+        pool.close()
+        close_all(pool.evicted())
+
+
 def send(pool: SegmentPool, nbytes: int, *holders: object) -> int:
     """Take a segment for ``nbytes``, queue it to ``holders``, close the message; its token."""
     segment = pool.take(nbytes)
@@ -41,8 +54,7 @@ def send(pool: SegmentPool, nbytes: int, *holders: object) -> int:
 
 
 def test_a_segment_is_free_again_once_every_holder_released_it() -> None:
-    pool = SegmentPool(64 * MiB)
-    try:
+    with opened() as pool:
         first = send(pool, 4 * MiB, "rank 0", "rank 1")
         second = send(pool, 4 * MiB, "rank 0")
         assert second != first  # the first is claimed
@@ -52,14 +64,10 @@ def test_a_segment_is_free_again_once_every_holder_released_it() -> None:
         assert send(pool, 4 * MiB) == first
         assert pool.made == 3
         assert pool.reused == 1
-    finally:
-        pool.close()
-        close_all(pool.evicted())
 
 
 def test_each_frame_is_a_claim_and_releases_that_are_not_claims_are_ignored() -> None:
-    pool = SegmentPool(64 * MiB)
-    try:
+    with opened() as pool:
         token = send(pool, MiB, "rank 0", "rank 0")
         pool.released(token, "rank 1")  # never sent there
         pool.released(token + 100, "rank 0")  # no such segment
@@ -68,26 +76,18 @@ def test_each_frame_is_a_claim_and_releases_that_are_not_claims_are_ignored() ->
         pool.released(token, "rank 0")
         pool.released(token, "rank 0")  # one too many: ignored
         assert send(pool, MiB) == token
-    finally:
-        pool.close()
-        close_all(pool.evicted())
 
 
 def test_a_holder_that_exited_holds_nothing() -> None:
-    pool = SegmentPool(64 * MiB)
-    try:
+    with opened() as pool:
         token = send(pool, MiB, "rank 0", "rank 0", "rank 1")
         pool.forget_holder("rank 0")
         pool.released(token, "rank 1")
         assert send(pool, MiB) == token
-    finally:
-        pool.close()
-        close_all(pool.evicted())
 
 
 def test_a_message_still_being_packed_keeps_its_segment() -> None:
-    pool = SegmentPool(64 * MiB)
-    try:
+    with opened() as pool:
         segment = pool.take(MiB)
         assert segment is not None
         other = pool.take(MiB)
@@ -95,25 +95,17 @@ def test_a_message_still_being_packed_keeps_its_segment() -> None:
         assert other.token != segment.token
         pool.unpacked(segment)
         pool.unpacked(other)
-    finally:
-        pool.close()
-        close_all(pool.evicted())
 
 
 def test_sizes_reuse_a_segment_up_to_twice_as_large() -> None:
-    pool = SegmentPool(64 * MiB)
-    try:
+    with opened() as pool:
         big = send(pool, 8 * MiB)
         assert send(pool, 5 * MiB) == big
         assert send(pool, 3 * MiB) != big  # more than twice its size: kept for large ones
-    finally:
-        pool.close()
-        close_all(pool.evicted())
 
 
 def test_least_recently_used_free_segments_make_room_and_the_cap_holds() -> None:
-    pool = SegmentPool(16 * MiB)
-    try:
+    with opened(16 * MiB) as pool:
         older, newer = pool.take(4 * MiB), pool.take(4 * MiB)
         assert older is not None
         assert newer is not None
@@ -134,9 +126,6 @@ def test_least_recently_used_free_segments_make_room_and_the_cap_holds() -> None
         assert pool.take(17 * MiB) is None  # more than the cap, whatever is free
         pool.unpacked(big)
         pool.unpacked(newer)
-    finally:
-        pool.close()
-        close_all(pool.evicted())
 
 
 def test_closing_frees_every_segment_once_its_packer_is_done() -> None:
@@ -164,8 +153,7 @@ def test_closing_frees_every_segment_once_its_packer_is_done() -> None:
 def test_a_pooled_segment_is_sealed_against_resizing_and_its_sent_descriptor_is_read_only() -> None:
     import fcntl
 
-    pool = SegmentPool(64 * MiB)
-    try:
+    with opened() as pool:
         segment = pool.take(MiB)
         assert segment is not None
         seals = fcntl.fcntl(segment.read_only, fcntl.F_GET_SEALS)
@@ -175,9 +163,6 @@ def test_a_pooled_segment_is_sealed_against_resizing_and_its_sent_descriptor_is_
         with pytest.raises(OSError, match="Bad file descriptor"):
             os.write(segment.read_only, b"x")
         pool.unpacked(segment)
-    finally:
-        pool.close()
-        close_all(pool.evicted())
 
 
 def test_the_pool_size_comes_from_the_environment(

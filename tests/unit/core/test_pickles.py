@@ -53,17 +53,23 @@ def test_a_pickle_that_builds_many_objects_or_is_not_understood_goes_to_a_thread
     assert not _mostly_bytes(data)
 
 
-async def test_decode_keeps_a_large_bytes_message_on_the_loop_and_sends_many_objects_off_it(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    hops: list[str] = []
+@pytest.fixture
+def hops(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the functions ``_pickles`` sends to a worker thread, in order."""
+    sent: list[str] = []
     off_loop = _pickles._off_loop
 
     async def counted(fn: Any, *args: Any) -> Any:
-        hops.append(fn.__name__)
+        sent.append(fn.__name__)
         return await off_loop(fn, *args)
 
     monkeypatch.setattr(_pickles, "_off_loop", counted)
+    return sent
+
+
+async def test_decode_keeps_a_large_bytes_message_on_the_loop_and_sends_many_objects_off_it(
+    hops: list[str],
+) -> None:
     blob = pickle.dumps(("echo", b"x" * 1_000_000), protocol=5)
     objects = pickle.dumps(list(range(THREAD_BYTES)), protocol=5)
     assert await decode(blob, "a blob") == ("echo", b"x" * 1_000_000)
@@ -72,22 +78,12 @@ async def test_decode_keeps_a_large_bytes_message_on_the_loop_and_sends_many_obj
     assert hops == ["_loads"]
 
 
-async def test_encode_gives_up_on_the_loop_once_pickling_takes_too_long(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+async def test_encode_gives_up_on_the_loop_once_pickling_takes_too_long(hops: list[str]) -> None:
     class Slow:
         def __reduce__(self) -> tuple[Any, ...]:
             time.sleep(0.001)  # a reduce that takes time: the loop's budget runs out
             return (bytes, (b"z" * 70_000,))
 
-    hops: list[str] = []
-    off_loop = _pickles._off_loop
-
-    async def counted(fn: Any, *args: Any) -> Any:
-        hops.append(fn.__name__)
-        return await off_loop(fn, *args)
-
-    monkeypatch.setattr(_pickles, "_off_loop", counted)
     quick = await encode(("echo", b"x" * 1_000_000))
     assert hops == []  # 1 MB of bytes: a copy, on the loop
     slow = await encode([Slow() for _ in range(5)])
