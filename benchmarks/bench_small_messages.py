@@ -12,6 +12,8 @@ instead of fifteen). To compare two checkouts, run it once with each on
 
 Prints each case's medians (µs or ms) across trials, the fastest trial, and
 the ratio to the floor's median, with the load average at each case's start.
+Like the scenario, it holds glibc's malloc steady (``harness.STEADY_MALLOC``):
+it runs itself again with those variables unless they are set.
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ import contextlib
 import dataclasses
 import multiprocessing.forkserver
 import os
+import sys
 
 import anyio
 import bench_dataplane as dataplane
-from harness import Peer, ScenarioResult, alternate
+from harness import STEADY_MALLOC, Peer, ScenarioResult, alternate
 
 import aiospawn
 
@@ -76,6 +79,9 @@ async def main(trials: int) -> None:
 
 
 if __name__ == "__main__":
+    if not STEADY_MALLOC.keys() <= os.environ.keys():
+        # Again, with the allocator held steady as the dataplane scenario's is.
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**STEADY_MALLOC, **os.environ})
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=5, help="trials per peer and case")
     anyio.run(main, parser.parse_args().trials)

@@ -333,3 +333,19 @@ class UsageSampler:
         self._thread.join()
         (wall0, cpu0, switches0), (wall1, cpu1, switches1) = self._samples
         return wall1 - wall0, cpu1 - cpu0, switches1 - switches0
+
+
+#: glibc's malloc, held steady in every process of the scenario (``run.py`` sets
+#: these for it). By default glibc serves a request of 128 KiB or more with a
+#: fresh ``mmap``, and raises that threshold only once it frees such a block:
+#: until then, a peer that allocates a large buffer per read (asyncio's streams
+#: receive into a new 256 KiB object each time) pays an ``mmap``, page faults
+#: and a ``munmap`` per message. Whether a process has raised its threshold
+#: depends on what it did before, so the same floor measured 40 µs in one run
+#: and 69 µs in another (64 B), and 0.6 against 1.7 ms (1 MB). Fixed, as a
+#: long-running service's allocator settles, every peer is measured in that
+#: settled state.
+STEADY_MALLOC = {
+    "MALLOC_MMAP_THRESHOLD_": str(32 * 1024 * 1024),
+    "MALLOC_TRIM_THRESHOLD_": str(128 * 1024 * 1024),
+}

@@ -200,7 +200,12 @@ def _orchestrate(names: list[str], quick: bool, backend: str, out: str | None) -
             if quick:
                 command.append("--quick")
             progress(f"== {name}: {' '.join(command[1:])}")
-            completed = subprocess.run(command, env=env, check=False)
+            scenario_env = env
+            if name == "dataplane":
+                from harness import STEADY_MALLOC
+
+                scenario_env = {**STEADY_MALLOC, **env}  # unless the caller set them
+            completed = subprocess.run(command, env=scenario_env, check=False)
             if completed.returncode != 0 or not os.path.exists(json_path):
                 failures.append(f"Scenario {name} failed (exit code {completed.returncode}).")
                 continue
