@@ -13,7 +13,6 @@ hurries it.
 from __future__ import annotations
 
 import signal
-import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
@@ -21,6 +20,7 @@ import anyio
 from anyio.lowlevel import checkpoint
 
 from ._backend import RankHandle
+from ._concurrency import take_turn
 from ._log import logger
 
 #: Seconds between SIGTERM and SIGKILL when no ``grace_period`` is given, as in
@@ -30,15 +30,6 @@ DEFAULT_GRACE_PERIOD = 30.0
 #: Seconds to wait for the kernel to reap ranks after SIGKILL. A rank still
 #: there after that is stuck in uninterruptible sleep (state D) and is reported.
 REAP_TIMEOUT = 5.0
-
-#: Seconds of this thread's own CPU time spent signalling ranks before the loop
-#: runs other tasks. Not a checkpoint per rank: the group's owner reaps each
-#: rank that has exited at every checkpoint, and reaping while the others are
-#: still dying of the same SIGTERM cost three to five times the system time
-#: (64 fork ranks: 47-90 ms against 11-20 ms, load 17-22, measured 2026-12-03).
-#: Our CPU time, not the wall clock: the ranks we wake take the CPU from us in
-#: between, and that time would stall the loop however often it is let run.
-SIGNAL_SLICE = 0.005
 
 
 class Shutdown:
@@ -131,17 +122,20 @@ class Shutdown:
     async def _terminate(self, ranks: Sequence[RankHandle]) -> None:
         if not ranks:
             return
-        slice_began = time.thread_time()
         for rank in ranks:
+            # Signalling many ranks takes a while: the loop runs other tasks
+            # once a slice of our CPU is spent. Not a checkpoint per rank: the
+            # group's owner reaps each rank that has exited at every
+            # checkpoint, and reaping while the others are still dying of the
+            # same SIGTERM cost three to five times the system time (64 fork
+            # ranks: 47-90 ms against 11-20 ms, load 17-22, measured 2026-12-03).
+            await take_turn()
             if rank.send_signal(signal.SIGTERM):
                 self._sigterm_at[id(rank)] = anyio.current_time()
                 self._on_signal(rank, signal.SIGTERM)
                 logger.warning(
                     "Terminating process %s via signal SIGTERM (rank %d)", rank.pid, rank.rank
                 )
-            if time.thread_time() - slice_began >= SIGNAL_SLICE:
-                await checkpoint()  # signalling many ranks takes a while: let the loop breathe
-                slice_began = time.thread_time()
         await checkpoint()
 
     async def _stop(

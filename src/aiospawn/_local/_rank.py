@@ -25,7 +25,7 @@ from multiprocessing.process import BaseProcess
 
 import anyio
 
-from aiospawn._core._concurrency import SingleWatcher
+from aiospawn._core._concurrency import SingleWatcher, take_turn
 from aiospawn._core._outcome import RankExit
 from aiospawn._rank import descendants
 from aiospawn._rank.wire import ChildEnd, FrameReader, Kind, read_ended
@@ -274,6 +274,9 @@ class LocalRank:
                 tg.start_soon(stream.pump)
             with contextlib.suppress(anyio.ClosedResourceError):
                 await anyio.wait_readable(self._exit_fd)
+            # Reaping costs system calls (the group's SIGKILL, waitpid): when
+            # many ranks die together, their watchers share the loop's time.
+            await take_turn()
             self.poll()  # report the exit before the readers unwind
             tg.cancel_scope.cancel()
         while self.poll() is None:

@@ -1,11 +1,14 @@
-"""The small concurrency tools: one watcher at a time, taken over on cancel; the broadcast."""
+"""The small concurrency tools: one watcher at a time, taken over on cancel; the broadcast;
+CPU slices for work many tasks do at once."""
 
 from __future__ import annotations
+
+import time
 
 import anyio
 import pytest
 
-from aiospawn._core._concurrency import Broadcast, SingleWatcher
+from aiospawn._core._concurrency import CPU_SLICE, Broadcast, SingleWatcher, take_turn
 
 # Its subject is the glue between the group and the event loop: both loops.
 pytestmark = [pytest.mark.anyio, pytest.mark.both_loops]
@@ -68,3 +71,45 @@ async def test_a_broadcast_wakes_every_waiter_and_only_those_waiting() -> None:
             assert 3 not in woken  # the late waiter waits for the next notify
             changed.notify()
     assert 3 in woken
+
+
+def _burn(seconds: float) -> None:
+    """Use ``seconds`` of this thread's CPU (what a rank's reaping costs the loop)."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+async def test_work_that_many_tasks_do_at_once_lets_the_loop_run_between_slices() -> None:
+    # 20 tasks made ready in the same pass, each with 0.4 ms of work: 8 ms in
+    # all, which would run back to back before anything else. Taking turns,
+    # the loop passes to other tasks (the ticker) once a slice is spent.
+    order: list[str] = []
+    share = CPU_SLICE * 0.4
+
+    async def worker() -> None:
+        await take_turn()
+        _burn(share)
+        order.append("w")
+
+    async def ticker() -> None:
+        while True:
+            order.append("t")
+            await anyio.lowlevel.checkpoint()
+
+    with anyio.fail_after(10):  # a deadlock tripwire
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ticker)
+            await anyio.lowlevel.checkpoint()
+            async with anyio.create_task_group() as workers:
+                for _ in range(20):
+                    workers.start_soon(worker)
+            tg.cancel_scope.cancel()
+    work = "".join(order)
+    between = work[work.index("w") : work.rindex("w")]
+    assert between.count("w") == 19
+    # 8 ms of work in slices of 1 ms: the loop ran other tasks at least 4 times
+    # (not 7: a slice's last share may run past its end).
+    assert between.count("t") >= 4, work
+    # And never after each share: a slice holds more than one.
+    assert "ww" in between, work
