@@ -93,12 +93,33 @@ def session_members(sid: int) -> list[int]:
     return members
 
 
-class Launcher:
-    """A launcher running in the background, in a session of its own."""
+#: Runs the rest of its command line with SIGHUP's default action, as a shell
+#: starts a program: a test run under ``nohup`` would hand the launcher SIGHUP
+#: ignored (a disposition an exec keeps).
+HANGUP_DEFAULT = (
+    sys.executable,
+    "-c",
+    "import os, signal, sys; signal.signal(signal.SIGHUP, signal.SIG_DFL);"
+    " os.execv(sys.executable, [sys.executable, *sys.argv[1:]])",
+)
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+
+class Launcher:
+    """A launcher running in the background, in a session of its own.
+
+    With ``hangup_default``, SIGHUP has its default action in the launcher
+    whatever this process has.
+    """
+
+    def __init__(
+        self, *args: str, env: dict[str, str] | None = None, hangup_default: bool = False
+    ) -> None:
+        command = [*LAUNCHER, *args]
+        if hangup_default:
+            assert command[0] == sys.executable, command
+            command = [*HANGUP_DEFAULT, *command[1:]]
         self.proc = subprocess.Popen(
-            [*LAUNCHER, *args],
+            command,
             cwd=REPO,
             env=environ() if env is None else env,
             stdin=subprocess.DEVNULL,
@@ -164,7 +185,12 @@ def launchers() -> Iterator[list[Launcher]]:
         launcher.cleanup()
 
 
-def start(launchers: list[Launcher], *args: str, env: dict[str, str] | None = None) -> Launcher:
-    launcher = Launcher(*args, env=env)
+def start(
+    launchers: list[Launcher],
+    *args: str,
+    env: dict[str, str] | None = None,
+    hangup_default: bool = False,
+) -> Launcher:
+    launcher = Launcher(*args, env=env, hangup_default=hangup_default)
     launchers.append(launcher)
     return launcher

@@ -314,6 +314,7 @@ def test_a_signal_not_in_signals_to_handle_is_not_handled(launchers: list[Launch
             "SIGUSR1",
             program("sleeper.py"),
             env=environ(TMPDIR=tmp),
+            hangup_default=True,  # as from a shell, even if this run ignores SIGHUP (nohup)
         )
         pids = launcher.ready_pids(2)
         launcher.signal(signal.SIGHUP)
