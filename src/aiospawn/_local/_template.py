@@ -109,6 +109,11 @@ class Template:
         self._spawn_lock = threading.Lock()  # this template's alone: held while it is spawned
         self._spawn_error: BaseException | None = None
         self._lock = threading.Lock()  # one request at a time on the control socket
+        # One reaper at a time: of two threads in multiprocessing's waitpid()
+        # on the same process, the loser gets ECHILD and no exit code, and may
+        # read it before the winner has recorded it (two ranks' starts that
+        # see the same death at once).
+        self._reaping = threading.Lock()
         self._reply: bytes | None = None
         self._closed = False
         self._stopped = False
@@ -139,13 +144,21 @@ class Template:
         return self.process is not None and self.exit_status() is not None
 
     def exit_status(self) -> int | None:
-        """The template's exit code if it has exited (reaping it), else None."""
+        """The template's exit code if it has exited (reaping it), else None.
+
+        Never waits (the event loop asks): None too while another thread reaps
+        it, which then reports its death.
+        """
         if self._stopped:
             return self.exit_code
+        if not self._reaping.acquire(blocking=False):
+            return None
         try:
             return None if self.process is None else self.process.exitcode
         except ValueError:  # closed by stop() meanwhile, on another thread
             return self.exit_code
+        finally:
+            self._reaping.release()
 
     def spawn(self) -> None:
         """Start the template's process, unless it was started already. Blocking, briefly.
@@ -333,11 +346,12 @@ class Template:
         process = self.process
         if process is None:
             return
-        process.join(STOP_PATIENCE)
-        if process.exitcode is None:
-            process.kill()
-            process.join()
-        self.exit_code = process.exitcode
+        with self._reaping:
+            process.join(STOP_PATIENCE)
+            if process.exitcode is None:
+                process.kill()
+                process.join()
+            self.exit_code = process.exitcode
         _pipes.forget(process.sentinel)
         process.close()
         if self._pidfd is not None:
@@ -364,10 +378,12 @@ class Template:
     def _died(self) -> TemplateError:
         self._closed = True
         assert self.process is not None
-        self.process.join(STOP_PATIENCE)
+        with self._reaping:
+            self.process.join(STOP_PATIENCE)
+            exit_code = self.process.exitcode
         return TemplateError(
             f"the warm-start template (pid {self.process.pid}) died"
-            f" ({describe(self.process.exitcode)}) before it could start the rank;"
+            f" ({describe(exit_code)}) before it could start the rank;"
             " the next start uses a new template"
         )
 
