@@ -447,8 +447,10 @@ def test_cell_functions_run_in_ranks_under_every_start_method_and_a_failure_show
 
 def test_the_example_notebook_runs(kernel_env: dict[str, str], scratch: Path) -> None:
     nb = run_notebook(EXAMPLES / "notebook.ipynb", kernel_env, scratch)
-    shown = "\n".join(
-        out.get("text", "") + "\n".join(out.get("traceback", []))
+    # A stream's text carries its own newlines, and one print() may come in
+    # two outputs (the kernel flushed between its parts): joined as written.
+    shown = "".join(
+        out.get("text", "") + "".join(f"{line}\n" for line in out.get("traceback", []))
         for cell in nb.cells
         for out in cell.get("outputs", [])
     )
