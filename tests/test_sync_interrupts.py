@@ -268,7 +268,13 @@ def test_an_interruption_at_any_point_of_a_start_and_join_leaves_nothing() -> No
     with fake_groups() as new_group:
         sweep(new_group)
         for where in places(new_group):
-            assert run_interrupted(InterruptAt(at=where), new_group()).hit == where
+            hit = run_interrupted(InterruptAt(at=where), new_group()).hit
+            # Our own code passes every place on every run. A place in asyncio's
+            # or anyio's may depend on how the threads interleave (asyncio's
+            # _write_to_self runs only when the loop thread needs waking): seen
+            # in the first run, it may not come in this one, which must then
+            # leave nothing all the same (run_interrupted checks that).
+            assert hit == where or (hit is None and not in_sync([where])), (where, hit)
 
 
 @pytest.mark.slow
