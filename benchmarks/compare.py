@@ -197,7 +197,8 @@ def section(before: Checkout, after: Checkout, names: list[str], mode: str) -> s
     out.append(f"- Benchmark code (both sides): `benchmarks/` at {bench or 'unknown'}")
     for side in (before, after):
         dirty = " (with uncommitted changes under src/)" if side.dirty else ""
-        out.append(f'- {side.label}: `{side.root}` at {side.commit[:10]}{dirty}, "{side.subject}"')
+        # The commit, not the checkout's path: a path says nothing to a reader elsewhere.
+        out.append(f'- {side.label}: {side.commit[:10]}{dirty}, "{side.subject}"')
     out += [
         f"- Load average (1 min) before the {len(every)} runs: median"
         f" {percentile(ones, 50):.1f}, from {ones[0]:.1f} to {ones[-1]:.1f} (2 cores: above"
