@@ -172,7 +172,7 @@ def _orchestrate(names: list[str], quick: bool, backend: str, out: str | None) -
     import tempfile
     import time
 
-    from harness import ScenarioResult, progress
+    from harness import STEADY_MALLOC, ScenarioResult, progress
     from report import machine, markdown, plot
 
     here = os.path.dirname(os.path.abspath(__file__))
@@ -200,11 +200,8 @@ def _orchestrate(names: list[str], quick: bool, backend: str, out: str | None) -
             if quick:
                 command.append("--quick")
             progress(f"== {name}: {' '.join(command[1:])}")
-            scenario_env = env
-            if name == "dataplane":
-                from harness import STEADY_MALLOC
-
-                scenario_env = {**STEADY_MALLOC, **env}  # unless the caller set them
+            # The dataplane's allocator held steady, unless the caller set it.
+            scenario_env = {**STEADY_MALLOC, **env} if name == "dataplane" else env
             completed = subprocess.run(command, env=scenario_env, check=False)
             if completed.returncode != 0 or not os.path.exists(json_path):
                 failures.append(f"Scenario {name} failed (exit code {completed.returncode}).")

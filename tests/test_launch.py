@@ -22,6 +22,7 @@ import psutil
 import pytest
 
 import aiospawn
+from aiospawn._local._strategy import START_CONCURRENCY
 from tests import ranks
 from tests.helpers import is_reaped, live_children, wait_until
 
@@ -119,15 +120,14 @@ def test_a_group_started_on_a_short_lived_thread_lives_as_long_as_its_loop(
     assert [p.exitcode for p in ctx.processes] == [-signal.SIGTERM] * 2
     if anyio_backend == "asyncio":
         # The starter threads are the process's, kept idle between groups
-        # (at most 8, whatever the loops); anyio's belong to the loop.
-        def loops_threads() -> set[threading.Thread]:
-            return {t for t in threading.enumerate() if not t.name.startswith("aiospawn-start")}
+        # (at most START_CONCURRENCY, whatever the loops); anyio's belong to the loop.
+        def starter(thread: threading.Thread) -> bool:
+            return thread.name.startswith("aiospawn-start")
 
-        assert wait_until(lambda: loops_threads() <= threads_before), (
-            "anyio's worker threads outlived their event loop"
-        )
-        starters = [t for t in threading.enumerate() if t.name.startswith("aiospawn-start")]
-        assert len(starters) <= 8
+        assert wait_until(
+            lambda: {t for t in threading.enumerate() if not starter(t)} <= threads_before
+        ), "anyio's worker threads outlived their event loop"
+        assert len([t for t in threading.enumerate() if starter(t)]) <= START_CONCURRENCY
 
 
 @pytest.mark.parametrize("start_method", ["spawn", "fork", "forkserver"])
