@@ -17,6 +17,8 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -176,6 +178,42 @@ async def test_a_start_on_a_dead_template_fails_clearly_and_the_next_start_repla
     template.process.join()
     with pytest.raises(_template.TemplateError, match=r"template \(pid \d+\) died .*new template"):
         template.fork(b"", [])
+
+
+async def test_two_starts_that_see_the_template_die_at_once_both_report_its_exit_code(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Two ranks' starts on worker threads see one death and both reap the
+    # template. The thread whose waitpid() wins records the code late here;
+    # the other's waitpid() finds no child: it must still report the code.
+    template = await _template.acquire(("json",))
+    _template.release(template)
+    assert template.process is not None
+    os.kill(template.process.pid, signal.SIGKILL)
+    assert wait_until(lambda: psutil.Process(template.pid).status() == psutil.STATUS_ZOMBIE)
+    real_waitpid = os.waitpid
+
+    def slow_to_record(pid: int, options: int) -> tuple[int, int]:
+        reaped = real_waitpid(pid, options)
+        if reaped[0] == pid:
+            time.sleep(0.3)  # reaped; its exit code not yet recorded
+        return reaped
+
+    monkeypatch.setattr(os, "waitpid", slow_to_record)
+    messages: list[str] = []
+
+    def died() -> None:
+        messages.append(str(template._died()))
+
+    threads = [threading.Thread(target=died) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)  # a deadlock tripwire
+    monkeypatch.undo()
+    await anyio.to_thread.run_sync(template.stop)
+    assert len(messages) == 2
+    assert all("died (SIGKILL (-9))" in message for message in messages), messages
 
 
 async def test_a_template_that_dies_while_importing_fails_the_start() -> None:
