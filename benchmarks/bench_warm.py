@@ -41,7 +41,7 @@ from harness import (
 )
 
 import aiospawn
-from aiospawn._local import _template
+from aiospawn._local import _templates
 
 NPROCS = 8
 PRELOAD = ["torch"]
@@ -58,7 +58,7 @@ async def _aiospawn_torch(preload: list[str] | None) -> Measure:
 
 
 async def _first_warm_group() -> Measure:
-    _template.stop_all()
+    _templates.stop_all()
     return await _aiospawn_torch(PRELOAD)
 
 
@@ -117,7 +117,7 @@ async def _memory(preload: list[str] | None) -> Measure:
             pss = sorted(_pss_kib(pid) for pid in ctx.pids())
             measure: Measure = {"PSS per rank, median [MiB]": pss[len(pss) // 2] / 1024}
             if preload:
-                [template] = _template.running_templates()
+                [template] = _templates.running_templates()
                 measure["template PSS [MiB]"] = _pss_kib(template) / 1024
         finally:
             await ctx.terminate()
@@ -185,5 +185,5 @@ async def warm(result: ScenarioResult, quick: bool) -> None:
         "memory: PSS counts each shared page once, divided among the processes sharing it;"
         " warm ranks share the template's torch pages, spawned ranks each hold their own."
     )
-    _template.stop_all()
+    _templates.stop_all()
     progress(f"[{result.name}] templates stopped")

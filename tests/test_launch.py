@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 import aiospawn
-from aiospawn._local._strategy import START_CONCURRENCY
+from aiospawn._local._starters import START_CONCURRENCY
 from tests import ranks
 from tests.helpers import is_reaped, live_children, wait_until
 

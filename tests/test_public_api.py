@@ -188,9 +188,15 @@ def test_only_a_group_that_writes_to_a_directory_imports_pathlib(tmp_path: Path)
     assert sorted(path.name for path in tmp_path.iterdir()) == ["rank0.stdout", "rank1.stdout"]
 
 
-#: What a first call may import on the loop's thread: the facade's entry module
-#: and the two small modules it needs to tell which loop runs it.
-ALLOWED_ON_THE_LOOP = ("aiospawn._api", "aiospawn._core._loops", "aiospawn._core._notebook")
+#: What a first call may import on the loop's thread: the facade's entry module,
+#: the one that imports the rest off the loop, and the two small modules they
+#: need to tell which loop runs them.
+ALLOWED_ON_THE_LOOP = (
+    "aiospawn._api",
+    "aiospawn._imports",
+    "aiospawn._core._loops",
+    "aiospawn._core._notebook",
+)
 
 
 def imported_on_the_loop(runner: str, start_method: str) -> set[str]:

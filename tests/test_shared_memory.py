@@ -180,7 +180,7 @@ async def test_large_buffers_are_mapped_both_ways(
 
 
 async def test_warm_ranks_map_large_buffers_both_ways(anyio_backend: str) -> None:
-    from aiospawn._local import _template
+    from aiospawn._local import _templates
 
     payload = np.arange(MiB, dtype=np.float64)
     try:
@@ -200,7 +200,7 @@ async def test_warm_ranks_map_large_buffers_both_ways(anyio_backend: str) -> Non
                 assert all(same(back, payload) for _, back in answers)
                 del answers
     finally:
-        _template.stop_all()
+        _templates.stop_all()
 
 
 @pytest.mark.both_loops

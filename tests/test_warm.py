@@ -29,7 +29,7 @@ import psutil
 import pytest
 
 import aiospawn
-from aiospawn._local import _template
+from aiospawn._local import _template, _templates
 from tests import ranks, warm_ranks
 from tests.helpers import (
     ImportGate,
@@ -55,7 +55,7 @@ LEAVES_CHILDREN = "tests.warm_modules.leaves_children"
 @pytest.fixture(autouse=True)
 def _stop_templates() -> Iterator[None]:
     yield
-    _template.stop_all()
+    _templates.stop_all()
 
 
 @pytest.fixture
@@ -79,7 +79,7 @@ def importers(log: Path) -> list[int]:
 
 
 def only_template() -> int:
-    [pid] = _template.running_templates()
+    [pid] = _templates.running_templates()
     return pid
 
 
@@ -171,8 +171,8 @@ async def test_a_template_killed_while_its_ranks_run_fails_them_and_is_replaced(
 
 
 async def test_a_start_on_a_dead_template_fails_clearly_and_the_next_start_replaces_it() -> None:
-    template = await _template.acquire(("json",))
-    _template.release(template)
+    template = await _templates.acquire(("json",))
+    _templates.release(template)
     assert template.process is not None
     template.process.kill()
     template.process.join()
@@ -186,8 +186,8 @@ async def test_two_starts_that_see_the_template_die_at_once_both_report_its_exit
     # Two ranks' starts on worker threads see one death and both reap the
     # template. The thread whose waitpid() wins records the code late here;
     # the other's waitpid() finds no child: it must still report the code.
-    template = await _template.acquire(("json",))
-    _template.release(template)
+    template = await _templates.acquire(("json",))
+    _templates.release(template)
     assert template.process is not None
     os.kill(template.process.pid, signal.SIGKILL)
     assert wait_until(lambda: psutil.Process(template.pid).status() == psutil.STATUS_ZOMBIE)
@@ -222,7 +222,7 @@ async def test_a_template_that_dies_while_importing_fails_the_start() -> None:
         match=r"exited with exit code 3 while importing preload=\['tests.warm_modules.exits'\]",
     ):
         await aiospawn.start_processes(warm_ranks.report, preload=["tests.warm_modules.exits"])
-    assert _template.running_templates() == []
+    assert _templates.running_templates() == []
 
 
 async def test_a_template_killed_between_groups_is_started_again(import_log: Path) -> None:
@@ -254,7 +254,7 @@ async def test_a_preload_that_makes_forking_unsafe_is_refused_naming_the_module(
     message = str(info.value)
     assert message.startswith(f"warm starts refused: importing preload module {module!r} {why}")
     assert "leave the module out of preload" in message
-    assert _template.running_templates() == []
+    assert _templates.running_templates() == []
 
 
 async def test_native_threads_a_preload_left_are_a_note_not_a_warning(
@@ -349,7 +349,7 @@ async def test_bad_preload_options_are_refused_before_anything_starts(
             preload=preload,  # type: ignore[arg-type]
             start_method=start_method,
         )
-    assert _template.running_templates() == []
+    assert _templates.running_templates() == []
 
 
 def run_main_script(start: str, extra: Path) -> list[dict[str, object]]:
@@ -432,11 +432,11 @@ def test_a_template_stays_single_threaded_and_runs_no_user_code_of_its_own() -> 
         """
         import json, os, sys
         import anyio
-        from aiospawn._local import _template
-        t = anyio.run(_template.acquire, ("json",))
+        from aiospawn._local import _templates
+        t = anyio.run(_templates.acquire, ("json",))
         tasks = os.listdir(f"/proc/{t.pid}/task")
         print(json.dumps(len(tasks)))
-        _template.stop_all()
+        _templates.stop_all()
         """
     )
     completed = subprocess.run(
@@ -536,7 +536,7 @@ async def test_a_template_that_dies_as_it_forks_fails_the_start_and_leaks_nothin
         await aiospawn.start_processes(
             warm_ranks.report, nprocs=2, preload=["tests.warm_modules.dies_at_fork"]
         )
-    _template.stop_all()
+    _templates.stop_all()
     assert wait_until(lambda: fd_census() <= before), sorted(fd_census() - before)
 
 
@@ -553,7 +553,7 @@ async def test_a_template_killed_before_its_ranks_read_their_payload_fails_the_g
         ctx, only_template(), "ranks that had not read their payload"
     )
     del ctx
-    _template.stop_all()
+    _templates.stop_all()
     assert wait_until(lambda: fd_census() <= before), sorted(fd_census() - before)
 
 
@@ -626,7 +626,7 @@ async def test_processes_a_preload_started_end_with_their_template(children_log:
     template = only_template()
     popen, forked = importers(children_log)
     assert {psutil.Process(popen).ppid(), psutil.Process(forked).ppid()} == {template}
-    _template.stop_all()
+    _templates.stop_all()
     assert wait_until(lambda: is_gone(popen) and is_gone(forked)), "outlived their template"
 
 
@@ -705,11 +705,11 @@ async def test_a_warm_start_cancelled_during_its_templates_import_returns_withou
     assert in_time, "the cancelled start waited for its template's import"
     assert blocked == []
     # The import ran on, in the template the cancelled start spawned; no rank started.
-    [importing] = _template.running_templates()
+    [importing] = _templates.running_templates()
     assert psutil.Process(importing).children() == []
     [report] = await aiospawn.start_processes(warm_ranks.report, preload=[GATED])
     assert report["ppid"] == importing
-    _template.stop_all()
+    _templates.stop_all()
     assert wait_until(lambda: fd_census() <= before), sorted(fd_census() - before)
 
 
@@ -726,7 +726,7 @@ async def test_unrelated_warm_groups_do_not_wait_for_each_others_imports(gate: I
 
 
 async def test_idle_templates_beyond_the_bound_are_stopped(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_template, "MAX_TEMPLATES", 1)
+    monkeypatch.setattr(_templates, "MAX_TEMPLATES", 1)
     await aiospawn.start_processes(warm_ranks.report, preload=["json"])
     first = only_template()
     await aiospawn.start_processes(warm_ranks.report, preload=["decimal"])
@@ -737,7 +737,7 @@ async def test_idle_templates_beyond_the_bound_are_stopped(monkeypatch: pytest.M
 async def test_a_template_idle_for_the_idle_timeout_is_stopped_at_the_next_warm_start(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(_template, "IDLE_TIMEOUT", 0.0)
+    monkeypatch.setattr(_templates, "IDLE_TIMEOUT", 0.0)
     await aiospawn.start_processes(warm_ranks.report, preload=["json"])
     first = only_template()
     # A service that changes its environment between groups: a new key, a new template.
@@ -750,8 +750,8 @@ async def test_a_template_idle_for_the_idle_timeout_is_stopped_at_the_next_warm_
 async def test_a_template_whose_ranks_run_is_never_stopped_as_idle(
     monkeypatch: pytest.MonkeyPatch, events: tuple[Connection, Connection]
 ) -> None:
-    monkeypatch.setattr(_template, "MAX_TEMPLATES", 1)
-    monkeypatch.setattr(_template, "IDLE_TIMEOUT", 0.0)
+    monkeypatch.setattr(_templates, "MAX_TEMPLATES", 1)
+    monkeypatch.setattr(_templates, "IDLE_TIMEOUT", 0.0)
     reader, writer = events
     ctx = await aiospawn.start_processes(
         warm_ranks.ready_then_wait, (writer,), join=False, preload=["json"]
@@ -759,12 +759,12 @@ async def test_a_template_whose_ranks_run_is_never_stopped_as_idle(
     [pid] = (await receive_ready(reader, 1)).values()
     busy = only_template()
     await aiospawn.start_processes(warm_ranks.report, preload=["decimal"])
-    assert busy in _template.running_templates()
+    assert busy in _templates.running_templates()
     assert is_running(pid)
     await ctx.terminate()
     # Idle now: the next warm start stops it.
     await aiospawn.start_processes(warm_ranks.report, preload=["decimal"])
-    assert busy not in _template.running_templates()
+    assert busy not in _templates.running_templates()
     assert is_reaped(busy)
 
 
@@ -778,7 +778,7 @@ async def test_warm_starts_cancelled_at_random_points_leave_nothing_behind() -> 
             await aiospawn.start_processes(warm_ranks.report, nprocs=2, preload=["json"])
         assert our_threads_blocked() == []
         if rng.random() < 0.5:  # or the next start finds this one, ready or importing
-            _template.stop_all()
-    _template.stop_all()
+            _templates.stop_all()
+    _templates.stop_all()
     assert wait_until(lambda: live_children() <= children), live_children() - children
     assert wait_until(lambda: fd_census() <= before), sorted(fd_census() - before)

@@ -1,18 +1,17 @@
 """The async entry points: ``start_processes``, ``spawn`` and ``open_group``.
 
-The supervisor's modules are imported by the first call, not with this module:
-a first ``forkserver`` call starts the fork server as soon as its arguments
-are checked, and imports them while the server starts up (the local backend's
-``prepare``). The arguments are checked twice over, before anything starts:
-what every backend requires (``_core._spec.make_spec``), then what the chosen
-backend can run (``Backend.check``).
+The supervisor's modules are imported by the first call, not with this
+module, and on a worker thread (``_imports``): a first ``forkserver`` call
+starts the fork server as soon as its arguments are checked, and imports them
+while the server starts up (the local backend's ``prepare``). The arguments
+are checked twice over, before anything starts: what every backend requires
+(``_core._spec.make_spec``), then what the chosen backend can run
+(``Backend.check``).
 """
 
 from __future__ import annotations
 
-import importlib
 import os
-import sys
 import warnings
 from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from contextlib import asynccontextmanager
@@ -27,8 +26,8 @@ from typing import (
     overload,
 )
 
-from ._core._loops import runs_asyncio
 from ._core._notebook import default_stream_mode, signals_wake_the_loop
+from ._imports import CHECKS, SUPERVISOR, import_off_the_loop
 
 if TYPE_CHECKING:
     from ._core._backend import Backend
@@ -420,7 +419,7 @@ async def _start_group(
     *,
     refuse_capture: bool = False,
 ) -> AsyncProcessContext[Any]:
-    await _import_off_the_loop(_CHECKS)
+    await import_off_the_loop(CHECKS)
     from ._core._policy import RestartPolicy, Supervision
     from ._core._spec import DEFAULT_PREFIX, check_seconds, make_output_spec, make_spec
 
@@ -477,66 +476,7 @@ async def _start_group(
     if isinstance(backend, LocalBackend):
         # Before the supervisor's modules are imported: a fork server starts up meanwhile.
         await backend.prepare(spec)
-    await _import_off_the_loop(_SUPERVISOR)
+    await import_off_the_loop(SUPERVISOR)
     from ._core._context import AsyncProcessContext
 
     return await AsyncProcessContext._start(spec, supervision, backend)
-
-
-#: The modules a first call imports to check its arguments, and then to
-#: supervise the group (each pulls in what it needs: anyio, multiprocessing).
-_CHECKS = ("aiospawn._core._policy", "aiospawn._core._spec", "aiospawn._local._backend")
-_SUPERVISOR = (
-    "aiospawn._core._context",
-    "aiospawn._core._shutdown",
-    "aiospawn._local._launcher",
-    "aiospawn._local._strategy",
-    "aiospawn._local._rank",
-    "aiospawn._local._output",
-    "aiospawn._local._link",
-    "aiospawn._local._progress",
-    "aiospawn._rank.bootstrap",
-    "multiprocessing.spawn",
-    "multiprocessing.popen_spawn_posix",
-    "multiprocessing.resource_tracker",
-)
-
-
-async def _import_off_the_loop(names: tuple[str, ...]) -> None:
-    """Import ``names``, and anyio's backend for this loop, on a worker thread if not imported yet.
-
-    A first call imports a few hundred milliseconds' worth of modules on a
-    loaded machine (tens on a quiet one): on the loop, that would stall every
-    other task of the program, a service's requests included. On a thread, the
-    loop runs between the import's bytecodes. Later calls find them imported
-    and pay nothing. A cancellation leaves the import to finish on its thread.
-    """
-    on_asyncio = runs_asyncio()
-    # anyio imports its backend for this loop at the first anyio call: under
-    # asyncio.run that is ours, 27-30 ms of the loop's CPU here (2 cores).
-    backend = _ANYIO_BACKEND.format("asyncio" if on_asyncio else "trio")
-    missing = [name for name in (backend, *names) if name not in sys.modules]
-    if not missing:
-        return
-    if on_asyncio:
-        import asyncio  # the caller's loop: imported already
-
-        await asyncio.get_running_loop().run_in_executor(None, _import_all, missing)
-    else:
-        import trio  # the caller's loop: imported already
-
-        await trio.to_thread.run_sync(_import_all, missing)
-
-
-#: The module anyio's ``get_async_backend()`` imports for a loop (private to
-#: anyio: if a release renames it, it is merely imported on the loop again).
-_ANYIO_BACKEND = "anyio._backends._{}"
-
-
-def _import_all(names: list[str]) -> None:
-    for name in names:
-        try:
-            importlib.import_module(name)
-        except ModuleNotFoundError:
-            if not name.startswith(_ANYIO_BACKEND[:-2]):
-                raise

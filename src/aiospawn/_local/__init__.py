@@ -3,8 +3,9 @@
 ``_backend.LocalBackend`` is the default backend. Its check refuses, before
 anything starts, what local processes cannot run, and chooses the group's
 start strategy (``_strategy``: ``spawn``, ``forkserver``, ``fork``, or a warm
-start from a template, ``_template``), which holds every way the start
-methods differ. ``_launcher.LocalLauncher`` makes each rank and hands it a
+start from a template: ``_template``, leased from the table ``_templates``),
+which holds every way the start methods differ; ``_starters`` runs the
+starts. ``_launcher.LocalLauncher`` makes each rank and hands it a
 private result pipe, a channel, stream pipes and a heartbeat slot
 (``_pipes``, ``_link``, ``_output``, ``_progress``); ``_rank.LocalRank``
 watches its exit through a pidfd or sentinel on the event loop. ``_limits``
@@ -17,7 +18,7 @@ seam it implements, and the checks every backend shares) and
 ``aiospawn._rank`` (the bootstrap it starts); never ``aiospawn.ray``,
 ``aiospawn._api``, ``aiospawn.sync`` or ``aiospawn._cli``. Nothing imports
 it but the public surface (``aiospawn._api``, ``aiospawn.sync``,
-``aiospawn._cli``). ``_backend``, ``_strategy``, ``_limits`` and
-``_pickling`` are light: the entry points use them before the supervisor's
+``aiospawn._cli``). ``_backend``, ``_strategy`` (with ``_starters``),
+``_limits`` and ``_pickling`` are light: the entry points use them before the supervisor's
 modules are imported.
 """

@@ -30,7 +30,8 @@ from aiospawn._rank.template import STATUS, FdCollector
 from aiospawn._rank.wire import ChildEnd
 
 from . import _pipes
-from ._template import Template, hold, release
+from ._template import Template
+from ._templates import hold, release
 
 
 class _StatusChannel:
