@@ -59,6 +59,7 @@ PLAIN_RANK = [
     "aiospawn._rank.outcome",
     "aiospawn._rank.payload",
     "aiospawn._rank.process",
+    "aiospawn._rank.tensors",
     "aiospawn._rank.wire",
 ]
 

@@ -31,6 +31,8 @@ modules, and no more of ours):
   ``aiospawn.serve()``), and the state they read, set in one place.
 - ``channel``: the rank's end of its channel to the supervisor (messages,
   readiness, calls), blocking in a sync rank.
+- ``buffers``: large buffers in a memfd that travels with a frame;
+  ``tensors``: torch tensors pickled as such buffers, once torch is imported.
 - ``wire``: what a rank and its supervisor agree on (the outcome frame, its
   encoders, the channel's frames, shared constants).
 
