@@ -59,6 +59,8 @@ PLAIN_RANK = [
     "aiospawn._rank.outcome",
     "aiospawn._rank.payload",
     "aiospawn._rank.process",
+    "aiospawn._rank.reader",
+    "aiospawn._rank.stream",
     "aiospawn._rank.tensors",
     "aiospawn._rank.wire",
 ]

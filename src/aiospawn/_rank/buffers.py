@@ -135,7 +135,7 @@ class Packed:
 class Mapped:
     """A received pickle and the buffers it names: slices of a private mapping of the memfd.
 
-    What a reader makes of a shared frame (``wire.FrameReader``): its
+    What a reader makes of a shared frame (``reader.FrameReader``): its
     ``len()`` counts the mapped bytes too, for the bounds on what waits.
     """
 

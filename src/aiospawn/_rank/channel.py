@@ -53,12 +53,11 @@ import time
 from . import buffers, wire
 from .buffers import Packed
 from .fds import identity
+from .stream import FrameQueue, FrameStream
 from .wire import (
     CALL_ID,
     TO_RANK,
     FrameError,
-    FrameQueue,
-    FrameStream,
     Link,
     Payload,
     after_call_id,

@@ -19,7 +19,8 @@ import pytest
 from aiospawn._rank import channel as rank_channel
 from aiospawn._rank import wire
 from aiospawn._rank.async_channel import AsyncChannel
-from aiospawn._rank.wire import CALL_ID, FROM_RANK, FrameReader, Link, header
+from aiospawn._rank.reader import FrameReader
+from aiospawn._rank.wire import CALL_ID, FROM_RANK, Link, header
 from tests.helpers import first_frame
 
 
