@@ -55,6 +55,7 @@ PLAIN_RANK = [
     "aiospawn._rank.channel",
     "aiospawn._rank.descendants",
     "aiospawn._rank.fds",
+    "aiospawn._rank.frames",
     "aiospawn._rank.guard",
     "aiospawn._rank.outcome",
     "aiospawn._rank.payload",

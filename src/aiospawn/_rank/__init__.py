@@ -31,6 +31,8 @@ modules, and no more of ours):
   ``aiospawn.serve()``), and the state they read, set in one place.
 - ``channel``: the rank's end of its channel to the supervisor (messages,
   readiness, calls), blocking in a sync rank.
+- ``frames``: the socket under a rank's channel, blocking or awaited: frames
+  queued and written, read and sorted by kind.
 - ``stream``: a channel's socket as frames, at either end (the supervisor's
   ``aiospawn._local._link`` too): queued whole, read many at a time.
 - ``reader``: one frame reassembled and its header checked (the supervisor

@@ -6,7 +6,7 @@ frame's memfd descriptor beside its first bytes (``SCM_RIGHTS``).
 the frames it completes, each through a ``reader.FrameReader``. The frames'
 format is ``wire``'s.
 
-The rank's end of its channel uses them (``channel.Frames``), and so does the
+The rank's end of its channel uses them (``frames.Frames``), and so does the
 supervisor's end of a local rank's channel (``aiospawn._local._link``).
 
 Part of the rank-side package: standard library only.
@@ -36,7 +36,7 @@ JOIN_BYTES = 64 * 1024
 class FrameQueue:
     """Frames waiting to be written to a non-blocking descriptor, each queued whole.
 
-    Both ends of a channel write through one: the rank (``_rank.channel``) and
+    Both ends of a channel write through one: the rank (``_rank.frames``) and
     the supervisor (``_local._link``). A frame may carry a descriptor (a
     memfd, see ``buffers``): it is sent with the frame's first bytes.
     """
@@ -123,7 +123,7 @@ _FIRST_READ_BYTES = 16 * 1024
 class FrameStream:
     """The frames read off a channel's socket, each read taking all it holds (up to a bound).
 
-    Both ends of a channel read through one: the rank (``_rank.channel``) and
+    Both ends of a channel read through one: the rank (``_rank.frames``) and
     the supervisor (``_local._link``). One ``recvmsg`` (or ``read``) per call
     of :meth:`read` into a buffer kept for the stream's life, however many
     frames it holds: a small message costs one system call to read, not one
