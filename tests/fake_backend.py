@@ -38,7 +38,8 @@ from aiospawn._core._outcome import RankExit
 from aiospawn._core._policy import RestartPolicy, Supervision
 from aiospawn._core._spec import DEFAULT_PREFIX, LaunchSpec, make_output_spec, make_spec
 from aiospawn._rank import channel as rank_channel
-from aiospawn._rank.wire import CALL_ID, FROM_RANK, HEADER, FrameReader, Kind, encode_exception
+from aiospawn._rank.reader import FrameReader
+from aiospawn._rank.wire import CALL_ID, FROM_RANK, HEADER, Kind, encode_exception
 from aiospawn._rank.wire import Link as Frame
 
 

@@ -55,10 +55,14 @@ PLAIN_RANK = [
     "aiospawn._rank.channel",
     "aiospawn._rank.descendants",
     "aiospawn._rank.fds",
+    "aiospawn._rank.frames",
     "aiospawn._rank.guard",
     "aiospawn._rank.outcome",
     "aiospawn._rank.payload",
     "aiospawn._rank.process",
+    "aiospawn._rank.reader",
+    "aiospawn._rank.stream",
+    "aiospawn._rank.tensors",
     "aiospawn._rank.wire",
 ]
 

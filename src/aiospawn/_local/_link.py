@@ -6,7 +6,7 @@ pipe, and recorded in the descriptor table a ``fork`` rank clears. Frames
 whose large buffers are in a memfd carry its descriptor (``_rank.buffers``):
 reads take descriptors with the bytes (``recvmsg``), and the reader hands
 each to its frame. Each read takes what the socket holds, however many frames
-(``wire.FrameStream``).
+(``stream.FrameStream``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from anyio.lowlevel import checkpoint
 
 from aiospawn._core._loops import runs_asyncio
 from aiospawn._rank import buffers
-from aiospawn._rank.wire import FROM_RANK, ChildEnd, FrameQueue, FrameStream, Payload
+from aiospawn._rank.stream import FrameQueue, FrameStream
+from aiospawn._rank.wire import FROM_RANK, ChildEnd, Payload
 
 from . import _pipes
 

@@ -28,7 +28,8 @@ import anyio
 from aiospawn._core._concurrency import SingleWatcher, take_turn
 from aiospawn._core._outcome import RankExit
 from aiospawn._rank import descendants
-from aiospawn._rank.wire import ChildEnd, FrameReader, Kind, read_ended
+from aiospawn._rank.reader import FrameReader
+from aiospawn._rank.wire import ChildEnd, Kind, read_ended
 
 from . import _pipes
 from ._link import SocketLink

@@ -31,8 +31,16 @@ modules, and no more of ours):
   ``aiospawn.serve()``), and the state they read, set in one place.
 - ``channel``: the rank's end of its channel to the supervisor (messages,
   readiness, calls), blocking in a sync rank.
+- ``frames``: the socket under a rank's channel, blocking or awaited: frames
+  queued and written, read and sorted by kind.
+- ``stream``: a channel's socket as frames, at either end (the supervisor's
+  ``aiospawn._local._link`` too): queued whole, read many at a time.
+- ``reader``: one frame reassembled and its header checked (the supervisor
+  reads outcome frames with it too).
+- ``buffers``: large buffers in a memfd that travels with a frame;
+  ``tensors``: torch tensors pickled as such buffers, once torch is imported.
 - ``wire``: what a rank and its supervisor agree on (the outcome frame, its
-  encoders, the channel's frames, shared constants).
+  encoders, the channel's frames and their bounds, shared constants).
 
 Imported only by the ranks that need them:
 

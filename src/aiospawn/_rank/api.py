@@ -15,7 +15,8 @@ from __future__ import annotations
 import contextlib
 import time
 
-from .channel import Channel, Frames, encode, finish
+from .channel import Channel, encode
+from .frames import Frames, finish
 from .wire import Link
 
 # For the checker only: a rank never imports typing (the package's import rule).

@@ -2,7 +2,7 @@
 
 :class:`AsyncChannel` is what ``aiospawn.channel()`` returns in an async rank:
 the blocking ``channel.Channel``'s calls, awaited, over the same
-``channel.Frames``, which waits on the socket through the loop the rank runs
+``frames.Frames``, which waits on the socket through the loop the rank runs
 (asyncio's readers and writers, or trio's ``wait_readable``). Imported only by
 a rank whose ``fn`` is an ``async def`` (see ``api.channel``).
 
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from collections.abc import AsyncIterator
     from typing import Any
 
-    from .channel import Frames
+    from .frames import Frames
     from .wire import Payload
 
 

@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Coroutine
     from typing import Any
 
-    from .channel import Frames
+    from .frames import Frames
     from .wire import Payload
 
     #: ``(CANCEL, call id)`` or ``(CALL, frame)``, given whether calls are running.

@@ -37,10 +37,10 @@ segments' until the group ends), the receiver as soon as it has mapped the
 memfd, and the mapping goes with the last object that uses it. Nothing has a
 name, so nothing outlives both processes.
 
-Torch CPU tensors (only if the program imported torch: this module never
-does) are pickled by :func:`_reduce_tensor` as their bytes, an out-of-band
-buffer, and rebuilt with ``torch.frombuffer``; anything else keeps torch's
-own pickling.
+Torch CPU tensors (only if the program imported torch: pickling never
+imports it) are pickled as their bytes, an out-of-band buffer (``tensors``),
+and rebuilt with ``torch.frombuffer``; anything else keeps torch's own
+pickling.
 
 Part of the rank-side package: standard library only.
 """
@@ -52,6 +52,8 @@ import os
 import pickle
 import struct
 import sys
+
+from .tensors import TensorPickler
 
 # For the checker only: a rank never imports typing (the package's import rule).
 TYPE_CHECKING = False
@@ -133,7 +135,7 @@ class Packed:
 class Mapped:
     """A received pickle and the buffers it names: slices of a private mapping of the memfd.
 
-    What a reader makes of a shared frame (``wire.FrameReader``): its
+    What a reader makes of a shared frame (``reader.FrameReader``): its
     ``len()`` counts the mapped bytes too, for the bounds on what waits.
     """
 
@@ -178,10 +180,10 @@ def pickler(file: Any, large: list[memoryview] | None) -> pickle.Pickler:
     """A protocol-5 pickler into ``file``; ``large`` collects the buffers to share.
 
     With ``large`` None every buffer stays in the pickle. Tensors are reduced
-    by :func:`_reduce_tensor` if torch is imported.
+    by ``tensors.TensorPickler`` if torch is imported.
     """
     callback = None if large is None else _Collect(large)
-    kind = _TensorPickler if "torch" in sys.modules else pickle.Pickler
+    kind = TensorPickler if "torch" in sys.modules else pickle.Pickler
     return kind(file, protocol=5, buffer_callback=callback)
 
 
@@ -451,72 +453,3 @@ def loads(payload: bytes | bytearray | memoryview | Mapped) -> Any:
     if isinstance(payload, Mapped):
         return pickle.loads(payload.pickle, buffers=payload.buffers)
     return pickle.loads(payload)
-
-
-class _TensorPickler(pickle.Pickler):
-    """A pickler that sends a dense CPU tensor's bytes as a buffer (torch is imported)."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        torch = sys.modules.get("torch")
-        if torch is None or type(obj) is not getattr(torch, "Tensor", None):
-            return NotImplemented
-        return _reduce_tensor(obj)
-
-
-def _reduce_tensor(tensor: Any) -> Any:
-    """``(rebuild, args)`` for a plain dense CPU tensor, else NotImplemented (torch's own).
-
-    Torch pickles a tensor through ``torch.save``'s machinery, copying its
-    storage in band. Here its bytes (the span its strides cover, from its
-    first element) become one out-of-band buffer, shared when large.
-    Subclasses (``Parameter``), other devices and layouts, quantized, nested,
-    conjugated or negated views, non-leaf tensors that need grad and tensors
-    with attributes of their own keep torch's pickling, which knows them.
-    """
-    import ctypes
-
-    try:
-        if (
-            tensor.device.type != "cpu"
-            or tensor.layout is not sys.modules["torch"].strided
-            or tensor.is_quantized
-            or tensor.is_nested
-            or tensor.is_conj()
-            or tensor.is_neg()
-            or tensor.grad_fn is not None
-            or tensor.__dict__
-        ):
-            return NotImplemented
-        shape = tuple(tensor.shape)
-        stride = tuple(tensor.stride())
-    except Exception:  # a tensor that is not what it seems (a mock, a future kind)
-        return NotImplemented
-    if any(step < 0 for step in stride):
-        return NotImplemented
-    if tensor.numel() == 0:
-        return _rebuild_tensor, (b"", tensor.dtype, shape, stride, tensor.requires_grad)
-    span = 1 + sum((size - 1) * step for size, step in zip(shape, stride, strict=True))
-    memory = (ctypes.c_char * (span * tensor.element_size())).from_address(tensor.data_ptr())
-    memory._tensor = tensor  # the memory lives while the view does
-    return _rebuild_tensor, (
-        pickle.PickleBuffer(memory),
-        tensor.dtype,
-        shape,
-        stride,
-        tensor.requires_grad,
-    )
-
-
-def _rebuild_tensor(
-    data: Any, dtype: Any, shape: tuple[int, ...], stride: tuple[int, ...], requires_grad: bool
-) -> Any:
-    """The tensor :func:`_reduce_tensor` took apart, over ``data`` (no copy)."""
-    import torch
-
-    if memoryview(data).nbytes == 0:
-        tensor = torch.empty_strided(shape, stride, dtype=dtype)
-    else:
-        tensor = torch.frombuffer(data, dtype=dtype).as_strided(shape, stride)
-    if requires_grad:
-        tensor.requires_grad_()
-    return tensor

@@ -9,11 +9,11 @@ a kind byte, a length, a pickle. The kinds are :class:`~.wire.Link`'s.
   blocking, for a sync rank. ``async_channel.AsyncChannel``: the same,
   awaitable, on the rank's own event loop (asyncio or trio) for an
   ``async def fn``, imported by such a rank alone. Both take their frames
-  through one :class:`Frames`, and differ only in how they wait.
+  through one ``frames.Frames``, and differ only in how they wait.
 - :func:`~aiospawn._rank.api.ready` sends one READY frame.
 - A large buffer the supervisor sent in one of its pooled segments
   (``buffers``) is given back with a RELEASED frame once the last object that
-  uses its mapping goes: :meth:`Frames.release_mapping`, called by the
+  uses its mapping goes: ``frames.Frames.release_mapping``, called by the
   mapping's finalizer in whichever thread drops it, never waits for the
   outgoing queue's lock (the thread may hold it).
 - ``serve(handler)`` answers CALL frames with REPLY frames until the
@@ -35,7 +35,7 @@ its error sent back to the caller), never the end of the rank's ``serve()``.
 A frame is queued whole before its first byte is written, and one read in
 part stays in the reader until the rest comes: what an async rank's
 cancelled send or receive leaves is never lost (see ``async_channel``), and
-goes out at the latest when the rank ends (:func:`finish`).
+goes out at the latest when the rank ends (``frames.finish``).
 
 Part of the rank-side package: standard library only.
 """
@@ -43,22 +43,12 @@ Part of the rank-side package: standard library only.
 from __future__ import annotations
 
 import _thread
-import collections
-import contextlib
-import os
 import pickle
-import select
-import time
 
 from . import buffers, wire
 from .buffers import Packed
-from .fds import identity
 from .wire import (
     CALL_ID,
-    TO_RANK,
-    FrameError,
-    FrameQueue,
-    FrameStream,
     Link,
     Payload,
     after_call_id,
@@ -71,217 +61,11 @@ from .wire import (
 # For the checker only: a rank never imports typing (the package's import rule).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    import collections
     from collections.abc import Iterator
     from typing import Any
 
-
-class Frames:
-    """The rank's socket end: frames queued to write, frames read and sorted by kind.
-
-    With ``shares_memory`` (a local rank's Unix socket, on Linux), frames may
-    carry a memfd both ways (``buffers``).
-    """
-
-    def __init__(self, fd: int, shares_memory: bool = False) -> None:
-        self.fd = fd
-        os.set_blocking(fd, False)
-        self._identity = identity(fd)
-        self._out = FrameQueue()
-        #: Large buffers sent from here go through a memfd.
-        self.shares_memory = shares_memory and buffers.AVAILABLE
-        #: Tokens of pooled segments unmapped here and not yet queued (RELEASED).
-        self._releases: collections.deque[int] = collections.deque()
-        # Guards the outgoing queue: a release is queued from whichever
-        # thread the garbage collector drops a mapping in.
-        self._queue_lock = _thread.allocate_lock()
-        self._pid = os.getpid()
-        self._in = FrameStream(TO_RANK, self.shares_memory, fd, self.release_mapping)
-        self._poller: Any = None  # made by the first blocking wait, then kept
-        self.messages: collections.deque[Payload] = collections.deque()
-        self.calls: collections.deque[Payload] = collections.deque()
-        #: The ids of calls the supervisor cancelled after ``serve()`` took them.
-        self.cancels: collections.deque[int] = collections.deque()
-        #: Held by a thread of a sync rank while it queues and writes a frame.
-        self.sending = _thread.allocate_lock()
-        #: True once the supervisor closed its end (a CLOSE frame, or end of file).
-        self.peer_closed = False
-        #: What was wrong with a frame that broke the format, if one did.
-        self.broken: str | None = None
-        self.closed = False
-
-    def queue(self, kind: int, payload: bytes, fd: int = -1) -> None:
-        self._check_open()
-        with self._queue_lock:
-            self._queue_releases()
-            self._out.add(kind, payload, fd)
-        self._send_releases()
-
-    def release_mapping(self, token: int) -> None:
-        """Tell the supervisor a pooled segment is unmapped here (a RELEASED frame).
-
-        Called by a mapping's finalizer, in whichever thread the last object
-        that used it went, perhaps one that holds the queue's lock right now
-        (the collector runs anywhere): so it never waits for the lock. If
-        the lock is taken, the token waits, and goes out with the next frame
-        queued or written.
-        """
-        if self.closed or os.getpid() != self._pid:  # a child forked by fn holds no claim
-            return
-        self._releases.append(token)
-        self._send_releases()
-
-    def _send_releases(self) -> None:
-        """Queue and write the waiting releases, if nobody holds the queue's lock."""
-        while self._releases and self._queue_lock.acquire(False):
-            try:
-                if self.closed:  # checked under the lock: the descriptor is still ours
-                    self._releases.clear()
-                    return
-                self._queue_releases()
-                with contextlib.suppress(OSError):  # the supervisor is gone: nobody waits
-                    self._out.write_some(self.fd)
-            finally:
-                self._queue_lock.release()
-
-    def _queue_releases(self) -> None:
-        """Move the waiting releases into the queue (the queue's lock is held)."""
-        while self._releases:
-            token = self._releases.popleft()
-            self._out.add(Link.RELEASED, buffers.TOKEN.pack(token))
-
-    def queue_packed(self, kind: int, packed: Packed) -> None:
-        """Queue ``packed`` as a ``kind`` frame, and close its memfd (the queue has a copy)."""
-        try:
-            self.queue(kind | packed.flag, packed.body, packed.fd)
-        finally:
-            packed.close()
-
-    @property
-    def unsent(self) -> bool:
-        return self._out.queued > 0
-
-    def write_some(self) -> bool:
-        """Write what the socket takes now; True once nothing is left queued."""
-        try:
-            with self._queue_lock:
-                self._queue_releases()
-                done = self._out.write_some(self.fd)
-        except BrokenPipeError:
-            # The supervisor closed its end (or is gone): nothing written
-            # could be read.
-            with self._queue_lock:
-                self._out.clear()
-            self.peer_closed = True
-            raise BrokenPipeError("the supervisor closed this rank's channel") from None
-        # A release that came while the lock was held goes out now, not
-        # with some later frame.
-        self._send_releases()
-        return done and not self.unsent
-
-    def read_some(self) -> None:
-        """Read what the socket holds now, sorting each complete frame by kind."""
-        while True:
-            self._sort_read()
-            if self.peer_closed:
-                return
-            try:
-                self._in.read()
-            except BlockingIOError:
-                return
-            if self._in.drained:
-                # It took all there was: another read would most likely find
-                # nothing, and cost a system call per message.
-                self._sort_read()
-                return
-
-    def _sort_read(self) -> None:
-        """Sort every frame read and complete; note the stream's end, or a broken frame."""
-        while not self.peer_closed:
-            try:
-                frame = self._in.next_frame()
-            except FrameError as exc:  # nothing more can be read: as if closed
-                self.broken = str(exc)
-                self.peer_closed = True
-                return
-            if frame is None:
-                if self._in.at_end:
-                    self.peer_closed = True
-                return
-            self._sort(frame)
-
-    def _sort(self, frame: tuple[int, Payload]) -> None:
-        kind, payload = frame
-        if kind == Link.MESSAGE:
-            self.messages.append(payload)
-        elif kind == Link.CALL:
-            self.calls.append(payload)
-        elif kind == Link.CANCEL:
-            self._cancel(call_id_of(payload))
-        elif kind == Link.CLOSE:
-            self.peer_closed = True
-
-    def _cancel(self, call_id: int) -> None:
-        """The supervisor gave up on a call: drop it if it waits here, else tell ``serve()``."""
-        for index, call in enumerate(self.calls):
-            if call_id_of(call) == call_id:
-                del self.calls[index]  # never started: nobody will run it
-                return
-        self.cancels.append(call_id)
-
-    def take(self, kept: collections.deque[Payload]) -> Payload | None:
-        """The next frame of ``kept`` (``messages`` or ``calls``), or None: wait, then ask again.
-
-        Reads what the socket holds now first, if nothing is kept. Blocking
-        and awaited receives both take their frames through it, and differ
-        only in how they wait.
-
-        Raises:
-            EOFError: The supervisor closed its end, and nothing of that kind is left.
-            ConnectionError: A frame broke the channel's format, and nothing is left.
-        """
-        if not kept and not self.peer_closed:
-            self.read_some()
-        if kept:
-            return kept.popleft()
-        if self.peer_closed:
-            raise _end(self)
-        return None
-
-    def end(self) -> Exception:
-        """What reading past the end of the supervisor's stream raises."""
-        return _end(self)
-
-    def wait(self, write: bool, deadline: float | None = None) -> None:
-        """Block until the socket can be written (or read); at most until ``deadline``."""
-        if self._poller is None:
-            self._poller = select.poll()
-            self._poller.register(self.fd, select.POLLIN)
-        self._poller.modify(self.fd, select.POLLOUT if write else select.POLLIN)
-        timeout = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
-        self._poller.poll(timeout)
-
-    def flush(self, deadline: float | None = None) -> None:
-        """Write everything queued, blocking; give up at ``deadline``."""
-        while not self.write_some():
-            if deadline is not None and time.monotonic() >= deadline:
-                return
-            self.wait(True, deadline)
-
-    def close(self) -> None:
-        if not self.closed:
-            with self._queue_lock:  # a release being written finishes first
-                self.closed = True
-                self._out.clear()
-            self.forget_socket()
-            os.close(self.fd)
-
-    def forget_socket(self) -> None:
-        """Let go of the socket object without closing the descriptor; drop what is unread."""
-        self._in.forget()
-
-    def _check_open(self) -> None:
-        if self.closed:
-            raise OSError("this rank's channel is closed")
+    from .frames import Frames
 
 
 def encode(obj: Any) -> bytes:
@@ -503,40 +287,3 @@ def check_limit(limit: int | None) -> None:
         raise TypeError(f"limit must be a positive int or None, got {limit!r}")
     if limit < 1:
         raise ValueError(f"limit must be a positive int or None, got {limit!r}")
-
-
-def _end(frames: Frames) -> Exception:
-    """What a read past the end of the supervisor's stream raises."""
-    if frames.broken is not None:
-        return ConnectionError(
-            f"this rank's channel is broken: the supervisor sent {frames.broken}"
-        )
-    return EOFError("the supervisor closed this rank's channel")
-
-
-def finish(frames: Frames | None, patience: float) -> None:
-    """At the rank's end: send what cancelled sends left queued (for ``patience`` s), close.
-
-    Nothing is done if the rank's own code closed the socket (``os.closerange``):
-    its number may hold another file of the rank's by now.
-    """
-    if frames is None or frames.closed:
-        return
-    if identity(frames.fd) != frames._identity:
-        with frames._queue_lock:  # no release is written to the number's new file
-            frames.closed = True
-        frames.forget_socket()
-        return
-    if frames.unsent:
-        with contextlib.suppress(OSError):
-            frames.flush(time.monotonic() + patience)
-    frames.close()
-
-
-def open_channel(fd: int, shares_memory: bool = False) -> Frames:
-    """The rank's frames over its socket end ``fd``.
-
-    ``shares_memory``: the supervisor reads the socket with its descriptors
-    (a local rank's), so large buffers may go through a memfd both ways.
-    """
-    return Frames(fd, shares_memory)

@@ -34,8 +34,8 @@ import stat
 import sys
 
 from . import api, descendants
-from .channel import open_channel
 from .fds import move_high
+from .frames import open_channel
 from .guard import guard_supervisor
 from .wire import BEAT_BYTES, STACK_SIGNAL, ChildEnd
 

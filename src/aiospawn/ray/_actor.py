@@ -108,7 +108,7 @@ class RankActor:
             address: The board's socket, which the rank's channel connects to.
         """
         from aiospawn._rank import api
-        from aiospawn._rank.channel import open_channel
+        from aiospawn._rank.frames import open_channel
 
         from ._relay import connect
 

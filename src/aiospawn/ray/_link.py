@@ -30,7 +30,8 @@ from typing import Any
 import anyio
 from anyio.lowlevel import checkpoint
 
-from aiospawn._rank.wire import FROM_RANK, HEADER, FrameReader
+from aiospawn._rank.reader import FrameReader
+from aiospawn._rank.wire import FROM_RANK, HEADER
 
 from ._actor import COLLECT_BYTES, ENDED, WRITTEN
 from ._bridge import threadsafe

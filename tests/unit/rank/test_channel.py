@@ -19,7 +19,9 @@ import pytest
 from aiospawn._rank import channel as rank_channel
 from aiospawn._rank import wire
 from aiospawn._rank.async_channel import AsyncChannel
-from aiospawn._rank.wire import CALL_ID, FROM_RANK, FrameReader, Link, header
+from aiospawn._rank.frames import Frames, open_channel
+from aiospawn._rank.reader import FrameReader
+from aiospawn._rank.wire import CALL_ID, FROM_RANK, Link, header
 from tests.helpers import first_frame
 
 
@@ -40,9 +42,9 @@ class Handler:
 
 
 @pytest.fixture
-def pair() -> Iterator[tuple[socket.socket, rank_channel.Frames]]:
+def pair() -> Iterator[tuple[socket.socket, Frames]]:
     ours, theirs = socket.socketpair()
-    frames = rank_channel.open_channel(theirs.detach())
+    frames = open_channel(theirs.detach())
     with ours:
         yield ours, frames
     frames.close()
@@ -83,7 +85,7 @@ def supervisor_sends_a_call_a_message_then_closes(sock: socket.socket) -> None:
 
 
 def test_a_blocking_channel_keeps_each_kind_for_the_call_that_waits_for_it(
-    pair: tuple[socket.socket, rank_channel.Frames],
+    pair: tuple[socket.socket, Frames],
 ) -> None:
     sock, frames = pair
     supervisor_sends_a_call_a_message_then_closes(sock)
@@ -103,7 +105,7 @@ def test_a_blocking_channel_keeps_each_kind_for_the_call_that_waits_for_it(
 @pytest.mark.both_loops
 @pytest.mark.anyio
 async def test_an_awaited_channel_keeps_each_kind_for_the_call_that_waits_for_it(
-    anyio_backend: str, pair: tuple[socket.socket, rank_channel.Frames]
+    anyio_backend: str, pair: tuple[socket.socket, Frames]
 ) -> None:
     sock, frames = pair
     call(sock, 4, "later", 1)
@@ -127,7 +129,7 @@ async def test_an_awaited_channel_keeps_each_kind_for_the_call_that_waits_for_it
 @pytest.mark.both_loops
 @pytest.mark.anyio
 async def test_an_awaited_receive_waits_for_the_message_to_arrive(
-    anyio_backend: str, pair: tuple[socket.socket, rank_channel.Frames]
+    anyio_backend: str, pair: tuple[socket.socket, Frames]
 ) -> None:
     sock, frames = pair
     channel = AsyncChannel(frames, anyio_backend)
@@ -160,7 +162,7 @@ def test_a_rank_refuses_to_send_or_answer_with_a_pickle_beyond_the_limit(
 
 
 def test_a_rank_reads_nothing_past_a_bad_frame_from_the_supervisor(
-    pair: tuple[socket.socket, rank_channel.Frames],
+    pair: tuple[socket.socket, Frames],
 ) -> None:
     sock, frames = pair
     one = pickle.dumps(1)
@@ -224,7 +226,7 @@ def answers(sock: socket.socket, count: int) -> dict[int, object]:
 @pytest.mark.both_loops
 @pytest.mark.anyio
 async def test_an_async_rank_runs_each_call_in_a_task_of_its_own(
-    anyio_backend: str, pair: tuple[socket.socket, rank_channel.Frames]
+    anyio_backend: str, pair: tuple[socket.socket, Frames]
 ) -> None:
     sock, frames = pair
     for call_id in (1, 2, 3):
@@ -238,7 +240,7 @@ async def test_an_async_rank_runs_each_call_in_a_task_of_its_own(
 @pytest.mark.both_loops
 @pytest.mark.anyio
 async def test_a_cancel_ends_the_handler_of_its_call_and_the_others_answer(
-    anyio_backend: str, pair: tuple[socket.socket, rank_channel.Frames]
+    anyio_backend: str, pair: tuple[socket.socket, Frames]
 ) -> None:
     sock, frames = pair
     handler = Overlapping(meeting=1)
@@ -265,7 +267,7 @@ async def test_a_cancel_ends_the_handler_of_its_call_and_the_others_answer(
 @pytest.mark.both_loops
 @pytest.mark.anyio
 async def test_a_limit_holds_calls_back_and_a_cancel_drops_a_waiting_one_unrun(
-    anyio_backend: str, pair: tuple[socket.socket, rank_channel.Frames]
+    anyio_backend: str, pair: tuple[socket.socket, Frames]
 ) -> None:
     sock, frames = pair
     handler = Overlapping(meeting=1)
@@ -289,7 +291,7 @@ async def test_a_limit_holds_calls_back_and_a_cancel_drops_a_waiting_one_unrun(
 @pytest.mark.both_loops
 @pytest.mark.anyio
 async def test_a_handler_that_raises_system_exit_ends_serve_and_cancels_the_others(
-    anyio_backend: str, pair: tuple[socket.socket, rank_channel.Frames]
+    anyio_backend: str, pair: tuple[socket.socket, Frames]
 ) -> None:
     sock, frames = pair
     handler = Overlapping(meeting=1)
@@ -304,7 +306,7 @@ async def test_a_handler_that_raises_system_exit_ends_serve_and_cancels_the_othe
 @pytest.mark.both_loops
 @pytest.mark.anyio
 async def test_cancelling_serve_cancels_every_call_under_way(
-    anyio_backend: str, pair: tuple[socket.socket, rank_channel.Frames]
+    anyio_backend: str, pair: tuple[socket.socket, Frames]
 ) -> None:
     sock, frames = pair
     handler = Overlapping(meeting=1)
@@ -317,7 +319,7 @@ async def test_cancelling_serve_cancels_every_call_under_way(
 
 
 def test_a_blocking_channel_drops_a_call_cancelled_before_it_starts(
-    pair: tuple[socket.socket, rank_channel.Frames],
+    pair: tuple[socket.socket, Frames],
 ) -> None:
     sock, frames = pair
     log: list[str] = []
@@ -349,7 +351,7 @@ def test_a_blocking_channel_drops_a_call_cancelled_before_it_starts(
     ("limit", "error"), [(0, ValueError), (-1, ValueError), (True, TypeError), (1.5, TypeError)]
 )
 def test_serve_refuses_a_limit_that_is_not_a_positive_int(
-    pair: tuple[socket.socket, rank_channel.Frames], limit: object, error: type[Exception]
+    pair: tuple[socket.socket, Frames], limit: object, error: type[Exception]
 ) -> None:
     _, frames = pair
     with pytest.raises(error, match="limit must be a positive int or None"):
