@@ -1,7 +1,7 @@
 """A group's live ranks: the channel of each current attempt, readiness, and calls.
 
 One concern: what users do with running ranks. :class:`LiveRanks` holds one
-:class:`~._channel.Conversation` per attempt that has a link, from the
+:class:`~._conversation.Conversation` per attempt that has a link, from the
 attempt's making to its release; hands out each rank's
 :class:`~._channel.RankChannel`; sends ``ctx.call()`` to several ranks and
 gathers their answers; and decodes what ``aiospawn.ready()`` passed.
@@ -26,8 +26,9 @@ import anyio
 from anyio.lowlevel import checkpoint_if_cancelled
 
 from ._backend import RankHandle
-from ._channel import Conversation, RankChannel
+from ._channel import RankChannel
 from ._concurrency import Broadcast
+from ._conversation import Conversation
 from ._events import EventLog, Ready
 from ._outcome import BrokenChannel, RankExit, rebuild_raised
 from ._pickles import decode, encode

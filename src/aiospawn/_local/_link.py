@@ -38,7 +38,7 @@ def rank_socket() -> tuple[int, ChildEnd]:
 
 
 class SocketLink:
-    """The supervisor's end of one local rank's channel (see ``_core._channel.Link``)."""
+    """The supervisor's end of one local rank's channel (see ``_core._backend.Link``)."""
 
     #: Frames may carry a memfd: the rank's socket passes descriptors.
     shares_memory = buffers.AVAILABLE

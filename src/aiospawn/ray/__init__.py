@@ -31,9 +31,11 @@ them raises ``ValueError`` before anything is reserved.
 
 Layout and import rule: this public package holds private modules,
 ``_launcher`` (the group's launcher: placement, actors, a board per node),
-``_rank`` (one rank attempt's handle), ``_actor`` (the classes that run on
-the cluster), ``_link`` and ``_relay`` (a rank's channel, through the board on
-its node), ``_bridge`` (Ray futures to the event loop). They may import
+``_rank`` (one rank attempt's handle), ``_actor``, ``_board`` and
+``_connection`` (what runs on the cluster: a rank's actor, the board on each
+node, and the board's end of each rank's channel), ``_link`` and ``_relay``
+(a rank's channel, through the board on its node), ``_bridge`` (Ray futures
+to the event loop). They may import
 the standard library, anyio, ray (lazily: never at import time),
 ``aiospawn._core`` and ``aiospawn._rank``; never ``aiospawn._local``.
 """

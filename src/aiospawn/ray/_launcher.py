@@ -1,7 +1,8 @@
 """A group's ranks as Ray actors: gang reservation, start, exit detection, stop.
 
 The supervisor side of ``aiospawn.ray.RayBackend``; the cluster side is
-``_actor``. One group, from the supervisor's point of view::
+``_actor`` (the ranks) and ``_board`` (a board per node). One group, from
+the supervisor's point of view::
 
     open()   connect (once per process) ─► placement group, one bundle per rank,
              reserved all at once or not at all (placement_timeout) ─► layout:
@@ -52,7 +53,8 @@ from aiospawn._core._concurrency import run_to_completion
 from aiospawn._core._env import rank_environment, torchrun_environment
 from aiospawn._core._spec import LaunchSpec
 
-from ._actor import CALLS_PER_RANK, SPARE_CALLS
+from ._actor import RankActor
+from ._board import CALLS_PER_RANK, SPARE_CALLS, SignalBoard
 from ._bridge import get
 from ._link import RayLink
 from ._rank import RayRank
@@ -62,17 +64,15 @@ _connect_lock = threading.Lock()
 
 #: The Ray actor classes, made once per process (each ``ray.remote`` call
 #: would export the class to the cluster again).
-_actor_classes: dict[str, Any] = {}
+_actor_classes: dict[type, Any] = {}
 
 
-def _actor_class(name: str) -> Any:
+def _actor_class(cls: type) -> Any:
     import ray
 
-    from . import _actor
-
-    if name not in _actor_classes:
-        _actor_classes[name] = ray.remote(getattr(_actor, name))
-    return _actor_classes[name]
+    if cls not in _actor_classes:
+        _actor_classes[cls] = ray.remote(cls)
+    return _actor_classes[cls]
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,7 +221,7 @@ class RayLauncher:
             made = {}
             for node in nodes:
                 made[node] = (
-                    _actor_class("SignalBoard")
+                    _actor_class(SignalBoard)
                     .options(
                         num_cpus=0,
                         scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
@@ -347,7 +347,7 @@ class RayLauncher:
         }
         if "memory" in resources:
             standard["memory"] = resources.pop("memory")
-        actor_class = _actor_class("RankActor")
+        actor_class = _actor_class(RankActor)
         runtime_env = self._options.runtime_env
         for rank in ranks:
             strategy = PlacementGroupSchedulingStrategy(

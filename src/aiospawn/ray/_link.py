@@ -33,8 +33,9 @@ from anyio.lowlevel import checkpoint
 from aiospawn._rank.reader import FrameReader
 from aiospawn._rank.wire import FROM_RANK, HEADER
 
-from ._actor import COLLECT_BYTES, ENDED, WRITTEN
+from ._board import ENDED, WRITTEN
 from ._bridge import threadsafe
+from ._connection import COLLECT_BYTES
 from ._relay import CHUNK, TAKE_WAIT
 
 #: Deliveries a link keeps in flight at most, and the bytes they carry.

@@ -4,7 +4,7 @@ A Ray rank's actor answers one call at a time (``fn`` holds its main thread),
 and Ray runs every method of an actor with concurrency groups on other
 threads, ``run()`` included, where ``fn`` could not install signal handlers
 (measured with Ray 2.60). So the rank cannot take the supervisor's calls
-itself; the group's :class:`~._actor.SignalBoard` on the rank's node takes
+itself; the group's :class:`~._board.SignalBoard` on the rank's node takes
 them, and the rank's end is the same as a local rank's:
 ``aiospawn._rank.channel`` over a Unix socket, here one connected to the
 board's listening socket::

@@ -3,7 +3,7 @@
 The test plays the group: it says which attempt holds each slot and when an
 attempt is replaced; each attempt's channel is a ``MemoryLink`` whose rank's
 end the test plays. How channels, readiness and calls behave inside a running
-group is tested in tests/unit/core/test_channel.py.
+group is tested in tests/unit/core/test_conversation.py.
 """
 
 from __future__ import annotations

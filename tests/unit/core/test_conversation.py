@@ -2,8 +2,9 @@
 
 Each fake rank has a channel in memory (``tests/fake_backend.MemoryLink``)
 whose rank's end the test plays with the rank side's own encodings; the
-group's channel code (``aiospawn._core._channel``) runs as it does for real
-ranks. What only real ranks and sockets show (a rank's own channel API,
+group's channel code (``aiospawn._core._conversation``, with its
+``_inbound`` and ``_outbound``, behind ``_channel.RankChannel``) runs as it
+does for real ranks. What only real ranks and sockets show (a rank's own channel API,
 start methods, rank loops, large payloads) is tested in tests/test_live.py.
 """
 
@@ -21,7 +22,8 @@ import pytest
 
 import aiospawn
 from aiospawn._core import _pickles
-from aiospawn._core._channel import INBOX_MESSAGES, QUEUED_BYTES
+from aiospawn._core._inbound import INBOX_MESSAGES
+from aiospawn._core._outbound import QUEUED_BYTES
 from aiospawn._rank.wire import Link as Frame
 from tests.fake_backend import FakeBackend, MemoryLink, start_group
 from tests.helpers import tripwire

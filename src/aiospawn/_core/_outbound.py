@@ -1,0 +1,126 @@
+"""The frames queued for one rank, and their writing: the pump's writer side.
+
+Each :class:`~._conversation.Conversation` has one :class:`Outbound` over its
+``Link``. A frame is written as it is queued, as far as the socket takes it
+then; a writer task, started in the pump's task group, writes the rest only
+while the socket is full, so a rank nobody writes to costs no task of its
+own. A frame once queued goes out whole, whatever happens to the task that
+queued it. Back-pressure: a sender waits (:meth:`Outbound.wait_for_room`)
+until less than :data:`QUEUED_BYTES` wait to be written.
+
+Used by ``_conversation`` only; imports the core's own modules, anyio and
+the standard library.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import anyio.abc
+
+from ._backend import Link
+from ._concurrency import Broadcast
+
+#: Bytes that may wait in the outgoing queue when a ``send()`` adds its frame.
+QUEUED_BYTES = 256 * 1024
+
+
+class Outbound:
+    """What the supervisor queued for one attempt, and how much of it is written.
+
+    Args:
+        link: The attempt's frame transport.
+        on_failed: Called once writing fails: the rank's end is closed.
+    """
+
+    def __init__(self, link: Link, on_failed: Callable[[], None]) -> None:
+        self._link = link
+        self._on_failed = on_failed
+        #: Notified when bytes went out, writing failed, or it ended (:meth:`end`).
+        self.written = Broadcast()
+        self._pumping: anyio.abc.TaskGroup | None = None  # the pump's, while it runs
+        self._writing = False  # a writer task is started ...
+        self.writer_waits = False  # ... and waits for the socket to take more
+        self._queued_bytes = 0  # bytes ever queued ...
+        self._written_bytes = 0  # ... and ever written: a frame is out once this passes its end
+        self._failed = False  # the rank's end is closed
+        self._ended = False  # the stream from the rank ended (or the link was released)
+
+    @property
+    def stopped(self) -> bool:
+        """True once nothing more is written: the stream ended, or writing failed."""
+        return self._ended or self._failed
+
+    def end(self) -> None:
+        """The stream ended or the link was released: nothing more is written; senders wake."""
+        self._ended = True
+        self.written.notify()
+
+    def start_pumping(self, tg: anyio.abc.TaskGroup) -> None:
+        """The pump runs in ``tg``: a writer task may start there, now if frames wait."""
+        self._pumping = tg
+        if self._link.queued:  # queued before the pump ran
+            self._start_writer()
+
+    def stop_pumping(self) -> None:
+        """The pump's reader has ended: no writer task starts any more."""
+        self._pumping = None
+
+    async def wait_for_room(self) -> None:
+        """Back-pressure: return once little enough waits to be written, or nothing more will be."""
+        while self._link.queued >= QUEUED_BYTES and not self.stopped:
+            await self.written.wait()
+
+    def queue(self, kind: int, payload: bytes, fd: int = -1) -> int:
+        """Queue a frame, write what the socket takes now; return where the frame ends."""
+        before = self._link.queued
+        self._link.queue_frame(kind, payload, fd)
+        self._queued_bytes += self._link.queued - before
+        if not self._write_some():
+            self._start_writer()
+        return self._queued_bytes
+
+    async def wait_written(self, end: int) -> bool:
+        """Wait until the queue is written up to ``end``; False if writing stopped first.
+
+        Cancellation:
+            The writer still writes the frame.
+        """
+        while self._written_bytes < end:
+            if self.stopped:
+                return False
+            await self.written.wait()
+        return True
+
+    def _write_some(self) -> bool:
+        """Write what the socket takes now; True once nothing is left queued."""
+        if self._ended or self._failed:
+            return True
+        before = self._link.queued
+        try:
+            done = self._link.write_some()
+        except OSError:  # the rank's end is closed: it has exited
+            self._failed = True
+            self._on_failed()
+            done = True
+        else:
+            self._written_bytes += before - self._link.queued
+        self.written.notify()
+        return done
+
+    def _start_writer(self) -> None:
+        if not self._writing and self._pumping is not None:
+            self._writing = True
+            self._pumping.start_soon(self._write_queued)
+
+    async def _write_queued(self) -> None:
+        """Write out the queue as the socket takes it; end once it is empty or writing has ended."""
+        try:
+            while not self._write_some():
+                self.writer_waits = True
+                try:
+                    await self._link.wait_writable()
+                finally:
+                    self.writer_waits = False
+        finally:
+            self._writing = False
