@@ -106,10 +106,10 @@ class MemoryLink:
                 return frame
         return None if self._rank_closed else False
 
-    def queue_frame(self, kind: int, payload: bytes, fd: int = -1) -> None:
+    def queue_frame(self, kind: int, payload: bytes, fd: int = -1, prefix: bytes = b"") -> None:
         """Queue a frame for the rank (it carries no descriptor: memory is not shared)."""
         assert fd < 0
-        self._out.append((kind, bytes(payload)))
+        self._out.append((kind, prefix + bytes(payload)))
 
     @property
     def queued(self) -> int:
@@ -182,10 +182,8 @@ class MemoryLink:
 
     def reply(self, call_id: int, value: Any = None, *, error: BaseException | None = None) -> None:
         """The rank's handler answers call ``call_id`` with ``value``, or raised ``error``."""
-        if error is None:
-            self.send(Frame.REPLY, rank_channel.reply(call_id, True, value).body)
-        else:
-            self.send(Frame.REPLY, rank_channel.reply(call_id, False, error).body)
+        packed = rank_channel.reply(call_id, error is None, value if error is None else error)
+        self.send(Frame.REPLY, packed.prefix + packed.body)
 
     def read(self) -> list[tuple[int, bytes]]:
         """Everything the supervisor wrote that the rank has not read: ``(kind, payload)``."""

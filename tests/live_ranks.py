@@ -253,6 +253,9 @@ class Handler:
     def blob(self, size: int) -> bytes:
         return bytes([self.rank]) * size
 
+    def length(self, data: bytes) -> tuple[int, int]:
+        return len(data), data[-1]
+
     def unpicklable(self) -> Any:
         return lambda: None
 

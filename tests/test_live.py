@@ -13,6 +13,7 @@ import multiprocessing
 import os
 import random
 import signal
+import tracemalloc
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
 from typing import Any
@@ -819,6 +820,26 @@ async def test_call_results_and_errors_that_do_not_pickle_plainly(anyio_backend:
             await ctx.call("whoami", ranks=[2])
         assert await ctx.call("whoami") == [0, 1]
     assert ctx.results == ["served", "served"]
+
+
+async def test_a_call_to_several_ranks_holds_one_copy_of_a_large_argument(
+    anyio_backend: str,
+) -> None:
+    # bytes travel in the pickle (they cannot go out of band), so a call's
+    # request is as large as its argument. Each rank's frame is the call's
+    # id, then that request as it is: three ranks cost one pickle of the
+    # argument, where joining the id to it would cost one copy per rank more.
+    size = 16 << 20
+    data = os.urandom(size - 1) + b"\7"
+    async with group(live_ranks.serve, nprocs=3, what="a call with 16 MiB of bytes") as ctx:
+        await ctx.wait_ready()
+        tracemalloc.start()
+        try:
+            assert await ctx.call("length", data) == [(size, 7)] * 3
+            held = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert size <= held < 2 * size, f"{held / size:.2f} times the argument"
 
 
 @pytest.mark.parametrize("kind", ["sync", "asyncio"])

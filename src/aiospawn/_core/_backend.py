@@ -67,11 +67,13 @@ class Link(Protocol):
             FrameError: As :meth:`receive_frame`.
         """
 
-    def queue_frame(self, kind: int, payload: bytes, fd: int = -1) -> None:
+    def queue_frame(self, kind: int, payload: bytes, fd: int = -1, prefix: bytes = b"") -> None:
         """Add a frame, whole, to the outgoing queue.
 
-        ``fd`` (a memfd, only if :attr:`shares_memory`) goes with the frame;
-        the caller keeps its own and closes it.
+        The frame's payload is ``prefix`` (a call's id) then ``payload``, which
+        is not copied to be joined to it: one large ``payload`` may be queued
+        on several links. ``fd`` (a memfd, only if :attr:`shares_memory`) goes
+        with the frame; the caller keeps its own and closes it.
         """
 
     @property

@@ -265,8 +265,10 @@ class Conversation:
             self._check_sendable()
             self._inbound.expect(call_id, answered)
             if not self._outbound.stopped:
+                # The call's id before the request, not joined to it: a large
+                # request asked of N ranks is queued N times, copied none.
                 self._outbound.queue(
-                    Kind.CALL | request.flag, CALL_ID.pack(call_id) + request.body, request.fd
+                    Kind.CALL | request.flag, request.body, request.fd, CALL_ID.pack(call_id)
                 )
                 if isinstance(request, PooledPacked):
                     request.claim(self)  # this rank maps the segment until it says otherwise

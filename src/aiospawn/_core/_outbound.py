@@ -71,10 +71,14 @@ class Outbound:
         while self._link.queued >= QUEUED_BYTES and not self.stopped:
             await self.written.wait()
 
-    def queue(self, kind: int, payload: bytes, fd: int = -1) -> int:
-        """Queue a frame, write what the socket takes now; return where the frame ends."""
+    def queue(self, kind: int, payload: bytes, fd: int = -1, prefix: bytes = b"") -> int:
+        """Queue a frame (``prefix``, then ``payload``), write what the socket takes now.
+
+        Returns:
+            Where the frame ends in the stream of bytes queued.
+        """
         before = self._link.queued
-        self._link.queue_frame(kind, payload, fd)
+        self._link.queue_frame(kind, payload, fd, prefix)
         self._queued_bytes += self._link.queued - before
         if not self._write_some():
             self._start_writer()

@@ -185,9 +185,9 @@ class SocketLink:
             budget -= size
             self._drained = size > 0 and stream.drained
 
-    def queue_frame(self, kind: int, payload: bytes, fd: int = -1) -> None:
+    def queue_frame(self, kind: int, payload: bytes, fd: int = -1, prefix: bytes = b"") -> None:
         """Add a frame, whole, to the outgoing queue; a copy of ``fd`` goes with it."""
-        self._out.add(kind, payload, fd)
+        self._out.add(kind, payload, fd, prefix)
 
     @property
     def queued(self) -> int:

@@ -106,13 +106,16 @@ class Packed:
     queue keeps a copy of its own.
     """
 
-    __slots__ = ("body", "fd")
+    __slots__ = ("body", "fd", "prefix")
 
-    def __init__(self, body: bytes, fd: int = -1) -> None:
+    def __init__(self, body: bytes, fd: int = -1, prefix: bytes = b"") -> None:
         #: The layout and the pickle, or the pickle alone when ``fd`` is -1.
         self.body = body
         #: The memfd, or -1.
         self.fd = fd
+        #: What goes before the body in the frame (a reply's call id), kept
+        #: apart so that a large body is never copied to be framed.
+        self.prefix = prefix
 
     @property
     def flag(self) -> int:
@@ -121,7 +124,7 @@ class Packed:
 
     def prefixed(self, prefix: bytes) -> Packed:
         """The same message behind ``prefix`` (a call id); this one gives up its memfd."""
-        packed = Packed(prefix + self.body, self.fd)
+        packed = Packed(self.body, self.fd, prefix + self.prefix)
         self.fd = -1
         return packed
 

@@ -144,7 +144,7 @@ def reply(call_id: int, ok: bool, value: Any, shared: bool = False) -> Packed:
             value = OSError(f"the handler's return value cannot be sent: {exc}")
         else:
             return packed.prefixed(CALL_ID.pack(call_id))
-    return Packed(CALL_ID.pack(call_id) + pickle.dumps((False, encode_exception(value))))
+    return Packed(pickle.dumps((False, encode_exception(value))), prefix=CALL_ID.pack(call_id))
 
 
 def _split(call: Payload) -> tuple[int, memoryview | bytes | buffers.Mapped]:

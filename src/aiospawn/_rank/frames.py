@@ -71,11 +71,11 @@ class Frames:
         self.broken: str | None = None
         self.closed = False
 
-    def queue(self, kind: int, payload: bytes, fd: int = -1) -> None:
+    def queue(self, kind: int, payload: bytes, fd: int = -1, prefix: bytes = b"") -> None:
         self._check_open()
         with self._queue_lock:
             self._queue_releases()
-            self._out.add(kind, payload, fd)
+            self._out.add(kind, payload, fd, prefix)
         self._send_releases()
 
     def release_mapping(self, token: int) -> None:
@@ -114,7 +114,7 @@ class Frames:
     def queue_packed(self, kind: int, packed: Packed) -> None:
         """Queue ``packed`` as a ``kind`` frame, and close its memfd (the queue has a copy)."""
         try:
-            self.queue(kind | packed.flag, packed.body, packed.fd)
+            self.queue(kind | packed.flag, packed.body, packed.fd, packed.prefix)
         finally:
             packed.close()
 

@@ -47,13 +47,15 @@ class FrameQueue:
         #: Bytes queued and not yet written.
         self.queued = 0
 
-    def add(self, kind: int, payload: bytes, fd: int = -1) -> None:
+    def add(self, kind: int, payload: bytes, fd: int = -1, prefix: bytes = b"") -> None:
         """Queue one frame, whole; with ``fd``, a copy of it goes with the frame.
 
-        The caller keeps ``fd``: the queue holds a duplicate until it is sent
-        (or dropped by :meth:`clear`).
+        The frame's payload is ``prefix`` then ``payload``; a large ``payload``
+        is queued as it is, never copied (the same one may be queued for
+        several ranks). The caller keeps ``fd``: the queue holds a duplicate
+        until it is sent (or dropped by :meth:`clear`).
         """
-        head = HEADER.pack(kind, len(payload))
+        head = HEADER.pack(kind, len(prefix) + len(payload)) + prefix
         sent = -1 if fd < 0 else os.dup(fd)
         if len(payload) <= JOIN_BYTES:
             # One write, not two: a header written alone wakes the reader,

@@ -185,15 +185,20 @@ class RayLink:
 
     # ------------------------------------------------------------- outgoing
 
-    def queue_frame(self, kind: int, payload: bytes, fd: int = -1) -> None:
-        """Add a frame, whole, to the outgoing queue (in chunks of at most ``CHUNK`` bytes)."""
+    def queue_frame(self, kind: int, payload: bytes, fd: int = -1, prefix: bytes = b"") -> None:
+        """Add a frame, whole, to the outgoing queue (in chunks of at most ``CHUNK`` bytes).
+
+        The frame's payload is ``prefix`` then ``payload``; past the first
+        chunk, ``payload`` is queued as views of itself, never copied.
+        """
         assert fd < 0, "a Ray rank's frames carry no descriptors"
         view = memoryview(payload)
-        first = CHUNK - HEADER.size
-        self._out.append(HEADER.pack(kind, len(payload)) + bytes(view[:first]))
+        head = HEADER.pack(kind, len(prefix) + len(payload)) + prefix
+        first = CHUNK - len(head)
+        self._out.append(head + bytes(view[:first]))
         for start in range(first, len(view), CHUNK):
             self._out.append(view[start : start + CHUNK])
-        self._queued += HEADER.size + len(payload)
+        self._queued += len(head) + len(payload)
 
     @property
     def queued(self) -> int:

@@ -152,9 +152,9 @@ def test_a_rank_refuses_to_send_or_answer_with_a_pickle_beyond_the_limit(
     monkeypatch.setattr(wire, "MAX_FRAME_BYTES", 1000)
     with pytest.raises(ValueError, match=r"more than a channel frame carries \(1000"):
         rank_channel.encode(b"x" * 1000)
-    reply = rank_channel.reply(7, True, b"x" * 1000).body
-    assert CALL_ID.unpack_from(reply) == (7,)
-    ok, raised = pickle.loads(reply[CALL_ID.size :])
+    reply = rank_channel.reply(7, True, b"x" * 1000)
+    assert CALL_ID.unpack(reply.prefix) == (7,)
+    ok, raised = pickle.loads(reply.body)
     assert not ok
     _, type_name, text = pickle.loads(raised)
     assert type_name == "builtins.ValueError"
