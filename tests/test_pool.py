@@ -15,7 +15,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from aiospawn._core._pool import POOL_BYTES_VAR, SegmentPool, close_all, pool_bytes
+from aiospawn._core._pool import (
+    MAX_SEGMENTS,
+    POOL_BYTES_VAR,
+    SegmentPool,
+    close_all,
+    pool_bytes,
+)
 from aiospawn._rank import buffers
 
 pytestmark = pytest.mark.skipif(not buffers.AVAILABLE, reason="memfds are Linux's")
@@ -126,6 +132,22 @@ def test_least_recently_used_free_segments_make_room_and_the_cap_holds() -> None
         assert pool.take(17 * MiB) is None  # more than the cap, whatever is free
         pool.unpacked(big)
         pool.unpacked(newer)
+
+
+def test_the_pool_holds_at_most_max_segments_whatever_their_bytes() -> None:
+    with opened(1 << 40) as pool:
+        held = [send(pool, MiB, f"rank {index}") for index in range(MAX_SEGMENTS)]
+        # Every segment is held by a rank: the next message gets none (a
+        # fresh memfd, closed once written), however much room the bytes leave.
+        assert pool.take(MiB) is None
+        open_before = len(os.listdir("/proc/self/fd"))
+        # One is released: free, it is reused or given up for a new size.
+        pool.released(held[0], "rank 0")
+        segment = pool.take(3 * MiB)
+        assert segment is not None
+        close_all(pool.evicted())
+        assert len(os.listdir("/proc/self/fd")) == open_before  # two closed, two opened
+        pool.unpacked(segment)
 
 
 def test_closing_frees_every_segment_once_its_packer_is_done() -> None:

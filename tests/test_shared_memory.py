@@ -29,6 +29,7 @@ import pytest
 
 import aiospawn
 from aiospawn import ProcessException
+from aiospawn._core._pool import MAX_SEGMENTS
 from aiospawn._rank import buffers
 from tests import shm_ranks
 from tests.helpers import tripwire
@@ -417,6 +418,27 @@ async def test_the_pool_holds_no_more_than_its_cap(
             assert last not in (*pooled, beyond)
             for key, value in zip("def", (4.0, 5.0, 6.0), strict=True):
                 assert await ask("check", key) == (value, value)
+
+
+async def test_what_a_rank_keeps_holds_no_more_descriptors_than_the_pool_has_segments(
+    anyio_backend: str,
+) -> None:
+    # A pooled segment keeps two descriptors open in the supervisor while a
+    # rank maps it. A rank that keeps every array it receives: past
+    # MAX_SEGMENTS, each goes in a memfd of its own, closed once written.
+    kept = MAX_SEGMENTS + 28
+    with tripwire(120, "a rank that keeps what it receives"):
+        async with aiospawn.open_group(
+            shm_ranks.holder, nprocs=1, start_method="fork", wait_ready=True
+        ) as ctx:
+            ask = Asker(ctx, 0, "channel")
+            before = len(os.listdir("/proc/self/fd"))
+            for index in range(kept):
+                await ask("hold", str(index), np.full(MiB // 8 + 512, float(index)))
+            grown = len(os.listdir("/proc/self/fd")) - before
+            assert grown <= 2 * MAX_SEGMENTS, grown
+            for index in (0, MAX_SEGMENTS, kept - 1):
+                assert await ask("check", str(index)) == (index, index)
 
 
 async def test_a_pool_of_zero_bytes_sends_every_buffer_in_a_memfd_of_its_own(

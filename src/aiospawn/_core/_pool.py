@@ -17,10 +17,12 @@ with the attempt's exit::
          │       and the packer done (``Packed.close()``)
          └─► least recently used ones closed when a new segment needs room
 
-The pool holds at most :func:`pool_bytes` bytes of segments; a buffer that
-finds no free segment and no room is written into a fresh sealed memfd, as
-without a pool (``buffers.pack``), and so is every buffer a rank sends to the
-supervisor. Its bookkeeping runs on the event loop; only the writes and the
+The pool holds at most :func:`pool_bytes` bytes of segments, and at most
+:data:`MAX_SEGMENTS` of them (each holds two of the supervisor's
+descriptors); a buffer that finds no free segment and no room is written into
+a fresh sealed memfd, as without a pool (``buffers.pack``), whose descriptor
+the supervisor closes once the frame is written, and so is every buffer a
+rank sends to the supervisor. Its bookkeeping runs on the event loop; only the writes and the
 closing of evicted segments happen on worker threads.
 """
 
@@ -43,6 +45,13 @@ POOL_BYTES_VAR = "AIOSPAWN_SHARED_POOL_BYTES"
 #: The pool size when the variable is not set: 1 GiB, or an eighth of the
 #: machine's memory if that is less.
 DEFAULT_POOL_BYTES = 1 << 30
+
+
+#: The most segments a group's pool holds, free and in use. Each keeps two
+#: descriptors open in the supervisor (the segment and its read-only twin)
+#: for as long as a rank maps it: a rank that keeps every array it receives
+#: would otherwise take the supervisor's descriptors one segment at a time.
+MAX_SEGMENTS = 32
 
 
 def pool_bytes() -> int:
@@ -180,8 +189,8 @@ class SegmentPool:
         A free segment of the size (up to twice it) is reused, the smallest,
         then the most recently used; else a new one is made, after the least
         recently used free ones are given up for it if the pool would outgrow
-        :attr:`limit`. None if even giving up every free one leaves too little
-        room (they are kept).
+        :attr:`limit` or :data:`MAX_SEGMENTS`. None if even giving up every
+        free one leaves too little room (they are kept).
 
         Raises:
             OSError: A new segment could not be made.
@@ -203,9 +212,9 @@ class SegmentPool:
             return segment
         size = _rounded(nbytes)
         in_use = self.held - sum(segment.size for segment in self._free.values())
-        if in_use + size > self.limit:
+        if in_use + size > self.limit or len(self._segments) - len(self._free) >= MAX_SEGMENTS:
             return None  # no room even without the free ones: keep them
-        while self.held + size > self.limit:
+        while self.held + size > self.limit or len(self._segments) >= MAX_SEGMENTS:
             _, oldest = self._free.popitem(last=False)
             self._forget(oldest)
         fd, read_only = buffers.new_segment(size)
