@@ -256,6 +256,9 @@ class Handler:
     def length(self, data: bytes) -> tuple[int, int]:
         return len(data), data[-1]
 
+    async def awaited(self) -> int:
+        return self.rank
+
     def unpicklable(self) -> Any:
         return lambda: None
 

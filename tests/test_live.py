@@ -814,6 +814,8 @@ async def test_call_results_and_errors_that_do_not_pickle_plainly(anyio_backend:
         assert "the handler's own error on rank 0" in str(info.value)
         with pytest.raises(AttributeError, match="no_such_method"):
             await ctx.call("no_such_method")
+        with pytest.raises(TypeError, match=r"Handler\.awaited is an async def method"):
+            await ctx.call("awaited")
         with pytest.raises(TypeError):
             await ctx.call("add", lambda: None)
         with pytest.raises(ValueError, match="rank 2"):

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import _thread
 import pickle
+import types
 
 from . import buffers, wire
 from .buffers import Packed
@@ -179,6 +180,14 @@ def answer(handler: Any, call: Payload) -> tuple[int, bool, Any]:
         return call_id, False, from_fn(exc)
 
 
+def _awaitable_in_a_sync_rank(name: str) -> TypeError:
+    return TypeError(
+        f"{name} is an async def method, and this rank's serve() runs none: a sync"
+        " rank calls handler methods without an event loop. Make the method a plain"
+        " def, or make fn an async def that awaits aiospawn.serve(handler)"
+    )
+
+
 class Channel:
     """The rank's end of its channel, in a sync rank: blocking calls.
 
@@ -247,6 +256,9 @@ class Channel:
                 except EOFError:
                     return
                 call_id, ok, value = answer(handler, call)
+                if ok and isinstance(value, types.CoroutineType):
+                    value.close()  # never to be awaited here: closed, it does not warn
+                    ok, value = False, _awaitable_in_a_sync_rank(value.__qualname__)
                 # Neither the call nor its answer is held while the next call
                 # is awaited: a mapped buffer lives as long as its users.
                 del call
