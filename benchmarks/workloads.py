@@ -138,6 +138,21 @@ def send_rank(rank: int, connection: object) -> None:
     connection.close()  # type: ignore[attr-defined]
 
 
+class _Lengths:
+    """What :func:`serve_lengths` answers: the length of what it is sent."""
+
+    def length(self, data: bytes) -> int:
+        return len(data)
+
+
+def serve_lengths(rank: int) -> None:
+    """Say ready, then answer ``ctx.call("length", data)`` until the supervisor closes."""
+    import aiospawn
+
+    aiospawn.ready()
+    aiospawn.serve(_Lengths())
+
+
 def aiospawn_origin(rank: int) -> str:
     """The file of the ``aiospawn`` package this rank runs with (which checkout it imported)."""
     import sys
