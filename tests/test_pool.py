@@ -134,6 +134,12 @@ def test_least_recently_used_free_segments_make_room_and_the_cap_holds() -> None
         pool.unpacked(newer)
 
 
+def test_the_descriptor_budget_keeps_room_for_a_full_pool() -> None:
+    from aiospawn._local._limits import POOL_FDS
+
+    assert POOL_FDS == 2 * MAX_SEGMENTS
+
+
 def test_the_pool_holds_at_most_max_segments_whatever_their_bytes() -> None:
     with opened(1 << 40) as pool:
         held = [send(pool, MiB, f"rank {index}") for index in range(MAX_SEGMENTS)]

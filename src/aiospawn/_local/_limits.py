@@ -33,9 +33,14 @@ _STREAM_FDS = {"inherit": 0, "devnull": 0, "prefix": 2, "capture": 2}
 #: the stack pipe's two ends.
 _HEARTBEAT_FDS = 4
 
-#: Kept for everything else the process holds, and for starts under way
-#: (``multiprocessing`` opens a few descriptors while it starts a process).
-_RESERVED_FDS = 64 + 32
+#: What a group's shared-memory pool may hold open: two per segment, at most
+#: ``_core._pool.MAX_SEGMENTS`` segments (not imported: this module is light).
+POOL_FDS = 64
+
+#: Kept for everything else the process holds, for starts under way
+#: (``multiprocessing`` opens a few descriptors while it starts a process), and
+#: for the pool.
+_RESERVED_FDS = 64 + 32 + POOL_FDS
 
 
 def fds_per_rank(output: OutputSpec | None = None, heartbeats: bool = False) -> int:
