@@ -16,6 +16,7 @@ import contextlib
 import functools
 import gc
 import importlib.util
+import multiprocessing
 import os
 import pickle
 import signal
@@ -29,9 +30,10 @@ import pytest
 
 import aiospawn
 from aiospawn import ProcessException
+from aiospawn._core._outbound import UNTAKEN_BYTES
 from aiospawn._core._pool import MAX_SEGMENTS
 from aiospawn._rank import buffers
-from tests import shm_ranks
+from tests import live_ranks, shm_ranks
 from tests.helpers import tripwire
 
 np = pytest.importorskip("numpy", reason="numpy (the test extra) makes the payloads")
@@ -439,6 +441,45 @@ async def test_what_a_rank_keeps_holds_no_more_descriptors_than_the_pool_has_seg
             assert grown <= 2 * MAX_SEGMENTS, grown
             for index in (0, MAX_SEGMENTS, kept - 1):
                 assert await ask("check", str(index)) == (index, index)
+
+
+@pytest.mark.both_loops
+async def test_large_buffers_count_in_the_back_pressure_on_a_rank_that_does_not_read(
+    anyio_backend: str,
+) -> None:
+    # Each message's array (8 MiB) travels in a memfd, its frame a few hundred
+    # bytes: without counting the buffers, hundreds would go out unread.
+    go_reader, go_writer = multiprocessing.Pipe(duplex=False)
+    count = 40
+    sent = 0
+    with go_reader, go_writer, tripwire(120, "large buffers to a rank that does not read"):
+        async with aiospawn.open_group(
+            live_ranks.read_when_told, (go_reader,), nprocs=1, start_method="fork"
+        ) as ctx:
+            channel = ctx.channel(0)
+
+            async def send_all() -> None:
+                nonlocal sent
+                for seq in range(count):
+                    await channel.send((seq, full(float(seq))))
+                    sent += 1
+                await channel.send_eof()
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(send_all)
+                # Settled once it has not moved for a while (a send also
+                # waits, unblocked, while its buffer is written on a thread).
+                settled, last = 0, -1
+                while settled < 5:
+                    await anyio.wait_all_tasks_blocked()
+                    await anyio.sleep(0.2)
+                    settled, last = (settled + 1, last) if sent == last else (0, sent)
+                held = sent * full(0.0).nbytes
+                assert sent < count
+                assert held <= UNTAKEN_BYTES + full(0.0).nbytes, f"{sent} messages went out unread"
+                go_writer.send("read now")
+            assert sent == count
+    assert ctx.results == [(1, list(range(count)))]
 
 
 async def test_a_pool_of_zero_bytes_sends_every_buffer_in_a_memfd_of_its_own(

@@ -86,6 +86,7 @@ class Conversation:
             on_ready=on_ready,
             on_broken=on_broken,
             on_end=self._outbound.end,
+            on_taken=self._outbound.taken,
             pool=pool,
             holder=self,
         )

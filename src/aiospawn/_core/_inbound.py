@@ -4,8 +4,9 @@ Each :class:`~._conversation.Conversation` has one :class:`Inbound` over its
 ``Link``: the pump's reader (:meth:`Inbound.read_frames`; on asyncio the
 link's reader callback too, :meth:`Inbound.sort_now`) sorts each frame the
 rank sends, a message's pickle into the inbox, a reply's to its call, a
-READY payload to the channel, without decoding anything, so a reader
-cancelled at any point loses nothing. The end of the stream, a CLOSE from
+READY payload to the channel, a RELEASED segment to the pool, a TAKEN one to
+the writer's back-pressure (``_outbound``), without decoding anything, so a
+reader cancelled at any point loses nothing. The end of the stream, a CLOSE from
 the rank, or the release of the link ends it.
 
 A frame header that breaks the format (a kind a rank does not send, a size
@@ -66,6 +67,7 @@ class Inbound:
         on_ready: Callable[[RankHandle], None],
         on_broken: Callable[[RankHandle, BrokenChannel], None],
         on_end: Callable[[], None],
+        on_taken: Callable[[int], None],
         pool: SegmentPool | None,
         holder: object,
     ) -> None:
@@ -74,6 +76,7 @@ class Inbound:
         self._on_ready = on_ready
         self._on_broken = on_broken
         self._on_end = on_end
+        self._on_taken = on_taken
         self._pool = pool
         self._holder = holder
         #: Set once the rank sent a frame that breaks the format.
@@ -245,5 +248,9 @@ class Inbound:
         elif kind == Kind.RELEASED:
             if self._pool is not None and not isinstance(payload, Mapped):
                 self._pool.released(TOKEN.unpack(payload)[0], self._holder)
+            return
+        elif kind == Kind.TAKEN:
+            if not isinstance(payload, Mapped):  # never one: the kind carries no memfd
+                self._on_taken(payload[0])
             return
         self._arrived.notify()

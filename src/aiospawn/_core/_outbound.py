@@ -6,23 +6,38 @@ then; a writer task, started in the pump's task group, writes the rest only
 while the socket is full, so a rank nobody writes to costs no task of its
 own. A frame once queued goes out whole, whatever happens to the task that
 queued it. Back-pressure: a sender waits (:meth:`Outbound.wait_for_room`)
-until less than :data:`QUEUED_BYTES` wait to be written.
+until less than :data:`QUEUED_BYTES` wait to be written, and less than
+:data:`UNTAKEN_BYTES` of large buffers sent in memfds wait for the rank to
+take them (it says so with a TAKEN frame, which the reader hands to
+:meth:`Outbound.taken`).
 
-Used by ``_conversation`` only; imports the core's own modules, anyio and
-the standard library.
+Used by ``_conversation`` only; imports the core's own modules, the rank's
+wire format, anyio and the standard library.
 """
 
 from __future__ import annotations
 
+import collections
+import os
 from collections.abc import Callable
 
 import anyio.abc
+
+from aiospawn._rank.buffers import SHARED
+from aiospawn._rank.wire import Link as Kind
 
 from ._backend import Link
 from ._concurrency import Broadcast
 
 #: Bytes that may wait in the outgoing queue when a ``send()`` adds its frame.
 QUEUED_BYTES = 256 * 1024
+#: Bytes of large buffers sent through shared memory (a frame's memfd) that the
+#: rank may not have taken yet when a ``send()`` or a call adds its frame. They
+#: count as their frame alone in :data:`QUEUED_BYTES`, and a written frame
+#: leaves the queue, so without this bound a rank that does not read would
+#: let about as many such frames wait as its socket's buffer holds (some
+#: 280 here), whatever their size.
+UNTAKEN_BYTES = 64 * 1024 * 1024
 
 
 class Outbound:
@@ -45,6 +60,13 @@ class Outbound:
         self._written_bytes = 0  # ... and ever written: a frame is out once this passes its end
         self._failed = False  # the rank's end is closed
         self._ended = False  # the stream from the rank ended (or the link was released)
+        # The sizes of the memfds sent with MESSAGE and CALL frames that the
+        # rank has not taken, oldest first (each kind is taken in order), and their sum.
+        self._untaken: dict[int, collections.deque[int]] = {
+            Kind.MESSAGE: collections.deque(),
+            Kind.CALL: collections.deque(),
+        }
+        self._untaken_bytes = 0
 
     @property
     def stopped(self) -> bool:
@@ -67,9 +89,22 @@ class Outbound:
         self._pumping = None
 
     async def wait_for_room(self) -> None:
-        """Back-pressure: return once little enough waits to be written, or nothing more will be."""
-        while self._link.queued >= QUEUED_BYTES and not self.stopped:
+        """Back-pressure: return once little enough waits, or nothing more will be written.
+
+        Little enough: under :data:`QUEUED_BYTES` queued, and under
+        :data:`UNTAKEN_BYTES` of large buffers the rank has not taken.
+        """
+        while (
+            self._link.queued >= QUEUED_BYTES or self._untaken_bytes >= UNTAKEN_BYTES
+        ) and not self.stopped:
             await self.written.wait()
+
+    def taken(self, kind: int) -> None:
+        """The rank took its oldest ``kind`` frame that came with a memfd (a TAKEN frame)."""
+        sizes = self._untaken.get(kind)
+        if sizes:  # else not one we counted: nothing to give back
+            self._untaken_bytes -= sizes.popleft()
+            self.written.notify()
 
     def queue(self, kind: int, payload: bytes, fd: int = -1, prefix: bytes = b"") -> int:
         """Queue a frame (``prefix``, then ``payload``), write what the socket takes now.
@@ -80,6 +115,10 @@ class Outbound:
         before = self._link.queued
         self._link.queue_frame(kind, payload, fd, prefix)
         self._queued_bytes += self._link.queued - before
+        if fd >= 0:  # its buffers count until the rank has taken the frame
+            size = os.fstat(fd).st_size
+            self._untaken[kind & ~SHARED].append(size)
+            self._untaken_bytes += size
         if not self._write_some():
             self._start_writer()
         return self._queued_bytes

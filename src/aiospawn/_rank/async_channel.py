@@ -179,7 +179,7 @@ class AsyncChannel:
             if frames.cancels:
                 return Link.CANCEL, frames.cancels.popleft()
             if frames.calls:
-                return Link.CALL, frames.calls.popleft()
+                return Link.CALL, frames.pop(frames.calls)
             if frames.peer_closed:
                 raise frames.end()
             await self._wait(write=False)

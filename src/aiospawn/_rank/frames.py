@@ -6,7 +6,9 @@ how they wait): its :class:`~.stream.FrameQueue` holds the frames going out,
 each whole, and its :class:`~.stream.FrameStream` reads the supervisor's,
 which it sorts as they complete (messages, calls and cancels, the end). A
 pooled segment's RELEASED frame is queued from the mapping's finalizer, in
-whichever thread drops it, without waiting for the queue's lock.
+whichever thread drops it, without waiting for the queue's lock; so is the
+TAKEN frame that tells the supervisor a frame with a memfd was taken, which
+its back-pressure waits for.
 
 The rank opens it before ``fn`` (:func:`open_channel`: ``process`` for a
 local rank, the actor for a Ray rank), and ends it after (:func:`finish`,
@@ -51,8 +53,8 @@ class Frames:
         self._out = FrameQueue()
         #: Large buffers sent from here go through a memfd.
         self.shares_memory = shares_memory and buffers.AVAILABLE
-        #: Tokens of pooled segments unmapped here and not yet queued (RELEASED).
-        self._releases: collections.deque[int] = collections.deque()
+        #: RELEASED and TAKEN frames not yet queued: ``(kind, payload)``.
+        self._notes: collections.deque[tuple[int, bytes]] = collections.deque()
         # Guards the outgoing queue: a release is queued from whichever
         # thread the garbage collector drops a mapping in.
         self._queue_lock = _thread.allocate_lock()
@@ -74,9 +76,9 @@ class Frames:
     def queue(self, kind: int, payload: bytes, fd: int = -1, prefix: bytes = b"") -> None:
         self._check_open()
         with self._queue_lock:
-            self._queue_releases()
+            self._queue_notes()
             self._out.add(kind, payload, fd, prefix)
-        self._send_releases()
+        self._send_notes()
 
     def release_mapping(self, token: int) -> None:
         """Tell the supervisor a pooled segment is unmapped here (a RELEASED frame).
@@ -87,29 +89,32 @@ class Frames:
         the lock is taken, the token waits, and goes out with the next frame
         queued or written.
         """
+        self._note(Link.RELEASED, buffers.TOKEN.pack(token))
+
+    def _note(self, kind: int, payload: bytes) -> None:
+        """Queue a RELEASED or TAKEN frame now if the queue's lock is free, else with the next."""
         if self.closed or os.getpid() != self._pid:  # a child forked by fn holds no claim
             return
-        self._releases.append(token)
-        self._send_releases()
+        self._notes.append((kind, payload))
+        self._send_notes()
 
-    def _send_releases(self) -> None:
-        """Queue and write the waiting releases, if nobody holds the queue's lock."""
-        while self._releases and self._queue_lock.acquire(False):
+    def _send_notes(self) -> None:
+        """Queue and write the waiting notes, if nobody holds the queue's lock."""
+        while self._notes and self._queue_lock.acquire(False):
             try:
                 if self.closed:  # checked under the lock: the descriptor is still ours
-                    self._releases.clear()
+                    self._notes.clear()
                     return
-                self._queue_releases()
+                self._queue_notes()
                 with contextlib.suppress(OSError):  # the supervisor is gone: nobody waits
                     self._out.write_some(self.fd)
             finally:
                 self._queue_lock.release()
 
-    def _queue_releases(self) -> None:
-        """Move the waiting releases into the queue (the queue's lock is held)."""
-        while self._releases:
-            token = self._releases.popleft()
-            self._out.add(Link.RELEASED, buffers.TOKEN.pack(token))
+    def _queue_notes(self) -> None:
+        """Move the waiting notes into the queue (the queue's lock is held)."""
+        while self._notes:
+            self._out.add(*self._notes.popleft())
 
     def queue_packed(self, kind: int, packed: Packed) -> None:
         """Queue ``packed`` as a ``kind`` frame, and close its memfd (the queue has a copy)."""
@@ -126,7 +131,7 @@ class Frames:
         """Write what the socket takes now; True once nothing is left queued."""
         try:
             with self._queue_lock:
-                self._queue_releases()
+                self._queue_notes()
                 done = self._out.write_some(self.fd)
         except BrokenPipeError:
             # The supervisor closed its end (or is gone): nothing written
@@ -137,7 +142,7 @@ class Frames:
             raise BrokenPipeError("the supervisor closed this rank's channel") from None
         # A release that came while the lock was held goes out now, not
         # with some later frame.
-        self._send_releases()
+        self._send_notes()
         return done and not self.unsent
 
     def read_some(self) -> None:
@@ -187,8 +192,19 @@ class Frames:
         for index, call in enumerate(self.calls):
             if call_id_of(call) == call_id:
                 del self.calls[index]  # never started: nobody will run it
+                self._taken(Link.CALL, call)
                 return
         self.cancels.append(call_id)
+
+    def pop(self, kept: collections.deque[Payload]) -> Payload:
+        """The oldest frame of ``kept`` (``messages`` or ``calls``), taken: it is the caller's."""
+        frame = kept.popleft()
+        self._taken(Link.MESSAGE if kept is self.messages else Link.CALL, frame)
+        return frame
+
+    def _taken(self, kind: int, frame: Payload) -> None:
+        if isinstance(frame, buffers.Mapped):  # it came with a memfd: the supervisor counts it
+            self._note(Link.TAKEN, bytes((kind,)))
 
     def take(self, kept: collections.deque[Payload]) -> Payload | None:
         """The next frame of ``kept`` (``messages`` or ``calls``), or None: wait, then ask again.
@@ -204,7 +220,7 @@ class Frames:
         if not kept and not self.peer_closed:
             self.read_some()
         if kept:
-            return kept.popleft()
+            return self.pop(kept)
         if self.peer_closed:
             raise _end(self)
         return None

@@ -34,6 +34,7 @@ _LINK_NAMES = {
     Link.CLOSE: "CLOSE",
     Link.CANCEL: "CANCEL",
     Link.RELEASED: "RELEASED",
+    Link.TAKEN: "TAKEN",
 }
 
 
@@ -152,7 +153,7 @@ class FrameReader:
         if high == 0 and size != 0:
             raise FrameError(f"a {name} frame of {size} bytes (a {name} frame is empty)")
         if high == low and size != low:
-            what = "token" if kind == Link.RELEASED else "call id"
+            what = {Link.RELEASED: "token", Link.TAKEN: "kind"}.get(kind, "call id")
             raise FrameError(
                 f"a {name} frame of {size} bytes (a {name} frame is its {low}-byte {what})"
             )

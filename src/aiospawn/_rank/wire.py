@@ -103,6 +103,10 @@ class Link:
     #: ``buffers.TOKEN``: the rank has unmapped one frame's pooled segment
     #: (``buffers.POOLED``); the supervisor may rewrite it once nobody maps it.
     RELEASED: Final = 7
+    #: One byte, MESSAGE or CALL: the rank has taken (received, or started or
+    #: dropped) the oldest frame of that kind that came with a memfd; the
+    #: supervisor's back-pressure counts those buffers until then.
+    TAKEN: Final = 8
 
 
 #: The largest payload of a channel frame, either way: 1 GiB. A sender refuses
@@ -121,6 +125,7 @@ FROM_RANK: dict[int, tuple[int, int | None]] = {
     Link.REPLY: (CALL_ID.size, None),
     Link.CLOSE: (0, 0),
     Link.RELEASED: (TOKEN.size, TOKEN.size),
+    Link.TAKEN: (1, 1),
 }
 #: The same, for the frames the supervisor may send to a rank: a CANCEL is its
 #: :data:`CALL_ID` and nothing more.
