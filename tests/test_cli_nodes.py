@@ -128,6 +128,11 @@ def results(stdout: str) -> list[dict[str, Any]]:
             "--restart-strategy with --nnodes 2",
         ),
         (["--nnodes", "2", "--master-port", "x"], "--master-port wants a port number"),
+        (["--nnodes", "2", "--master-port", "65536"], "from 1 to 65535, got '65536'"),
+        (
+            ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:99999"],
+            "--rdzv-endpoint 127.0.0.1:99999: wants a port number from 0 to 65535",
+        ),
     ],
 )
 def test_bad_multi_node_lines_are_refused_before_anything_starts(

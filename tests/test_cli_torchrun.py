@@ -122,6 +122,12 @@ def test_master_port_is_the_one_given() -> None:
     assert {v["MASTER_PORT"] for v in variables.values()} == {"29555"}
 
 
+def test_a_static_rendezvous_endpoint_on_one_machine_gives_the_master_port() -> None:
+    # As torchrun's: the static endpoint stands for --master-addr/--master-port.
+    variables = shown("--rdzv-endpoint", "127.0.0.1:29557", names=("MASTER_PORT",))
+    assert {v["MASTER_PORT"] for v in variables.values()} == {"29557"}
+
+
 def test_env_wins_over_torchruns_variables() -> None:
     variables = shown("--env", "ROLE_NAME=mine", names=("ROLE_NAME",))
     assert {v["ROLE_NAME"] for v in variables.values()} == {"mine"}
@@ -460,6 +466,9 @@ def test_no_error_file_after_success(tmp_path: Path) -> None:
         (["--rdzv-conf", "timeout=900"], "no rendezvous"),
         (["--master-addr", "10.0.0.1"], "127.0.0.1"),
         (["--master-port", "x"], "port number"),
+        (["--master-port", "99999"], "from 1 to 65535, got '99999'"),
+        (["--master-port", "0"], "from 1 to 65535, got '0'"),
+        (["--rdzv-endpoint", "127.0.0.1:99999"], "from 0 to 65535, got '99999'"),
         (["--local-addr", "10.0.0.1"], "no rendezvous"),
         (["--logs-specs", "mine"], "--log-dir"),
         (["--duplicate-stdout-filters", "loss"], "grep"),

@@ -166,8 +166,8 @@ def read_nodes(options: argparse.Namespace) -> Nodes | None:
                 f"{flag} with --nnodes {options.nnodes}: across nodes a restart is a new"
                 " rendezvous round on every node, as torchrun's; only --max-restarts applies"
             )
-    if options.master_port is not None and not str(options.master_port).isdigit():
-        raise UsageError(f"--master-port wants a port number, got {options.master_port!r}")
+    if options.master_port is not None:
+        check_port("--master-port", options.master_port)
     try:
         config: dict[str, str | int] = dict(_rendezvous_config(options.rdzv_conf or ""))
     except ValueError as exc:
@@ -191,7 +191,7 @@ def read_nodes(options: argparse.Namespace) -> Nodes | None:
         endpoint = options.rdzv_endpoint or (
             f"{options.master_addr or '127.0.0.1'}:{options.master_port or STATIC_PORT}"
         )
-        if not _port_of(endpoint):
+        if not endpoint_port(endpoint):
             raise UsageError(f"--rdzv-endpoint {endpoint}: the static rendezvous wants HOST:PORT")
     else:
         if not options.rdzv_endpoint:
@@ -199,7 +199,7 @@ def read_nodes(options: argparse.Namespace) -> Nodes | None:
                 "--rdzv-backend c10d wants --rdzv-endpoint HOST:PORT, the same on every node"
             )
         endpoint = options.rdzv_endpoint
-        if not _port_of(endpoint):
+        if endpoint_port(endpoint) is None:
             endpoint = f"{endpoint}:{C10D_PORT}"
     if importlib.util.find_spec("torch") is None:
         raise UsageError(
@@ -233,14 +233,32 @@ def ignored_flags(options: argparse.Namespace, nodes: Nodes) -> list[str]:
     return ignored
 
 
-def _port_of(endpoint: str) -> int | None:
-    """The port of ``HOST:PORT`` (``[::1]:PORT`` for IPv6), or None without one."""
+def check_port(flag: str, text: str, lowest: int = 1) -> int:
+    """``text`` as a port number from ``lowest`` (1: one every rank can reach) to 65535.
+
+    Raises:
+        UsageError: It is not one.
+    """
+    if not text.isdigit() or not lowest <= int(text) < 65536:
+        raise UsageError(f"{flag} wants a port number from {lowest} to 65535, got {text!r}")
+    return int(text)
+
+
+def endpoint_port(endpoint: str) -> int | None:
+    """The port of ``HOST:PORT`` (``[::1]:PORT`` for IPv6), or None without one.
+
+    Port 0 is one: a c10d store on one machine then picks a free port
+    (torchrun's ``--standalone`` asks for ``localhost:0``).
+
+    Raises:
+        UsageError: The port is out of range.
+    """
     host, colon, port = endpoint.rpartition(":")
     if not colon or not port.isdigit() or (host.startswith("[") != host.endswith("]")):
         return None
     if not host or (":" in host and not host.startswith("[")):
         return None  # an IPv6 address without brackets, or no host
-    return int(port)
+    return check_port(f"--rdzv-endpoint {endpoint}:", port, lowest=0)
 
 
 def _rendezvous_config(text: str) -> dict[str, str]:

@@ -28,7 +28,14 @@ import aiospawn
 from aiospawn._core._env import visible_devices
 from aiospawn._core._spec import DEFAULT_PREFIX, make_output_spec, make_spec
 
-from ._nodes import Nodes, ignored_flags, read_nodes, read_pet_environment
+from ._nodes import (
+    Nodes,
+    check_port,
+    endpoint_port,
+    ignored_flags,
+    read_nodes,
+    read_pet_environment,
+)
 from ._parse import SHUTDOWN_SIGNALS, UsageError
 from ._target import search_target_directory, target
 from ._torchrun import Std
@@ -122,8 +129,10 @@ class Plan:
                 signal.Signals(signum).name for signum in self.signals
             ),
         }
-        if options.master_port is not None and self.nodes is None:
-            base["MASTER_PORT"] = options.master_port
+        if self.nodes is None:
+            port = _one_machine_port(options)
+            if port is not None:
+                base["MASTER_PORT"] = str(port)
         if self.virtual_local_rank:
             base["LOCAL_RANK"] = "0"
         if self.omp_note:
@@ -326,8 +335,8 @@ def _refuse_rendezvous(options: argparse.Namespace, *, several_nodes: bool) -> N
     """
     if not several_nodes:
         _refuse_other_machines(options)
-    if options.master_port is not None and not str(options.master_port).isdigit():
-        raise UsageError(f"--master-port wants a port number, got {options.master_port!r}")
+    if options.master_port is not None:
+        check_port("--master-port", options.master_port)
     for flag, value, why in (
         ("--logs-specs", options.logs_specs, "use --log-dir, -r/--redirects and -t/--tee"),
         (
@@ -357,6 +366,19 @@ def _refuse_rendezvous(options: argparse.Namespace, *, several_nodes: bool) -> N
             ) from None
 
 
+def _one_machine_port(options: argparse.Namespace) -> int | None:
+    """``MASTER_PORT`` on one machine: ``--master-port``, else a static ``--rdzv-endpoint``'s.
+
+    As torchrun's: the static rendezvous's endpoint stands for
+    ``--master-addr``/``--master-port``. None: a free port, fresh for each start.
+    """
+    if options.master_port is not None:
+        return int(options.master_port)
+    if options.rdzv_endpoint is not None and options.rdzv_backend in (None, "static"):
+        return endpoint_port(options.rdzv_endpoint) or None  # 0: any free port
+    return None
+
+
 def _refuse_other_machines(options: argparse.Namespace) -> None:
     """On one machine: refuse rendezvous values that name another machine."""
     elsewhere = (
@@ -371,6 +393,7 @@ def _refuse_other_machines(options: argparse.Namespace) -> None:
         host = options.rdzv_endpoint.rpartition(":")[0] or options.rdzv_endpoint
         if host.strip("[]") not in LOCAL_HOSTS:
             raise UsageError(f"--rdzv-endpoint {options.rdzv_endpoint}: {elsewhere}")
+        endpoint_port(options.rdzv_endpoint)  # refuses a port out of range
     if options.master_addr is not None and options.master_addr not in LOCAL_HOSTS:
         raise UsageError(
             f"--master-addr {options.master_addr}: the ranks of one machine meet on"
