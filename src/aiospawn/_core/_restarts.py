@@ -22,6 +22,7 @@ the window plus the :data:`HISTORY_TAIL` before them.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -315,9 +316,10 @@ class Restarts:
         self.tracker.pending.append(
             PendingRestart(list(decision.slots), now + decision.delay, stop, failure)
         )
+        within = "" if math.isinf(policy.window) else f" within {policy.window:g} s"
         logger.warning(
-            "Rank %d (pid %d) failed (%s); restarting %s in %.3g s (restart %d of at most %d"
-            " within %g s)\n%s",
+            "Rank %d (pid %d) failed (%s); restarting %s in %.3g s (restart %d of at most %d%s)"
+            "\n%s",
             failure.rank,
             failure.pid,
             failure.summary(),
@@ -325,7 +327,7 @@ class Restarts:
             decision.delay,
             decision.attempt,
             policy.max_restarts,
-            policy.window,
+            within,
             str(failure.exception()).strip("\n"),
         )
         return True

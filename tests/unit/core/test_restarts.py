@@ -246,6 +246,14 @@ class Slots:
 
 
 @pytest.mark.anyio
+async def test_a_restart_without_a_window_says_none(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="aiospawn")
+    group = Slots(2, RestartPolicy(backoff=FAST, window=math.inf))
+    assert group.fail(1, running=(0,)) is True
+    assert "(restart 1 of at most 3)" in caplog.text
+
+
+@pytest.mark.anyio
 async def test_a_whole_group_restart_stops_the_others_then_starts_every_slot_again(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -253,6 +261,7 @@ async def test_a_whole_group_restart_stops_the_others_then_starts_every_slot_aga
     group = Slots(3, RestartPolicy(backoff=FAST))
     assert group.fail(1, running=(0, 2)) is True
     assert "restarting the group in 0 s (restart 1 of at most" in caplog.text
+    assert "of at most 3 within 60 s)" in caplog.text
     # A failure of the others while it is under way is its consequence.
     assert group.fail(0, running=(2,)) is True
     assert group.restarts.tracker.pending_slots() == {0, 1, 2}
