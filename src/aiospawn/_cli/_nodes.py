@@ -9,7 +9,9 @@ sets them)::
 
 :func:`read_nodes` turns such a line into a :class:`Nodes`, or ``None`` when
 it describes one machine (``--nnodes 1``, ``--standalone``), which the rest of
-the launcher runs as it always has. What is refused, and where that differs
+the launcher runs as it always has; on one machine, :func:`refuse_other_machines`
+refuses the rendezvous values that name another, and :func:`one_machine_port`
+says what ``MASTER_PORT`` the ones it takes ask for. What is refused, and where that differs
 from torchrun, is listed in ``docs/cli-torchrun.md``. Joining the rendezvous
 is :mod:`._rendezvous`'s work; this module imports nothing of torch.
 """
@@ -28,6 +30,9 @@ __all__ = ["C10D_PORT", "STATIC_PORT", "Nodes", "read_nodes"]
 
 #: torchrun's default --master-port, the static rendezvous's store.
 STATIC_PORT = 29500
+
+#: Hosts that name this machine, for torchrun's --master-addr and --rdzv-endpoint.
+LOCAL_HOSTS = ("", "localhost", "127.0.0.1", "::1")
 
 #: torch's default port of a c10d --rdzv-endpoint given without one.
 C10D_PORT = 29400
@@ -217,6 +222,47 @@ def read_nodes(options: argparse.Namespace) -> Nodes | None:
         max_restarts=options.max_restarts,
         local_addr=options.local_addr,
     )
+
+
+def one_machine_port(options: argparse.Namespace) -> int | None:
+    """``MASTER_PORT`` on one machine: ``--master-port``, else a static ``--rdzv-endpoint``'s.
+
+    As torchrun's: the static rendezvous's endpoint stands for
+    ``--master-addr``/``--master-port``. None: a free port, fresh for each start.
+    """
+    if options.master_port is not None:
+        return int(options.master_port)
+    if options.rdzv_endpoint is not None and options.rdzv_backend in (None, "static"):
+        return endpoint_port(options.rdzv_endpoint) or None  # 0: any free port
+    return None
+
+
+def refuse_other_machines(options: argparse.Namespace) -> None:
+    """On one machine: refuse rendezvous values that name another machine."""
+    elsewhere = (
+        "with one node (--nnodes 1) aiospawn run starts every rank itself, on this machine"
+        " or, with --ray ADDRESS, on a Ray cluster: there is no rendezvous to join"
+    )
+    if options.node_rank is not None and options.node_rank != "0":
+        raise UsageError(f"--node-rank {options.node_rank}: {elsewhere}")
+    if options.rdzv_backend is not None and options.rdzv_backend not in ("static", "c10d"):
+        raise UsageError(f"--rdzv-backend {options.rdzv_backend}: {elsewhere}")
+    if options.rdzv_endpoint is not None:
+        host = options.rdzv_endpoint.rpartition(":")[0] or options.rdzv_endpoint
+        if host.strip("[]") not in LOCAL_HOSTS:
+            raise UsageError(f"--rdzv-endpoint {options.rdzv_endpoint}: {elsewhere}")
+        endpoint_port(options.rdzv_endpoint)  # refuses a port out of range
+    if options.master_addr is not None and options.master_addr not in LOCAL_HOSTS:
+        raise UsageError(
+            f"--master-addr {options.master_addr}: the ranks of one machine meet on"
+            " 127.0.0.1; on Ray, MASTER_ADDR is rank 0's node"
+        )
+    for flag, value in (
+        ("--rdzv-conf", options.rdzv_conf),
+        ("--local-addr", options.local_addr),
+    ):
+        if value is not None:
+            raise UsageError(f"{flag} {value}: {elsewhere}")
 
 
 def ignored_flags(options: argparse.Namespace, nodes: Nodes) -> list[str]:

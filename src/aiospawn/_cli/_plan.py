@@ -31,10 +31,11 @@ from aiospawn._core._spec import DEFAULT_PREFIX, make_output_spec, make_spec
 from ._nodes import (
     Nodes,
     check_port,
-    endpoint_port,
     ignored_flags,
+    one_machine_port,
     read_nodes,
     read_pet_environment,
+    refuse_other_machines,
 )
 from ._parse import SHUTDOWN_SIGNALS, UsageError
 from ._target import search_target_directory, target
@@ -50,9 +51,6 @@ __all__ = ["Plan"]
 #: Variables ending so are thread counts of native libraries (OMP_NUM_THREADS,
 #: MKL_NUM_THREADS, OPENBLAS_NUM_THREADS, ...), read as the library loads.
 THREAD_SUFFIX = "_NUM_THREADS"
-
-#: Hosts that name this machine, for torchrun's --master-addr and --rdzv-endpoint.
-LOCAL_HOSTS = ("", "localhost", "127.0.0.1", "::1")
 
 
 class Plan:
@@ -130,7 +128,7 @@ class Plan:
             ),
         }
         if self.nodes is None:
-            port = _one_machine_port(options)
+            port = one_machine_port(options)
             if port is not None:
                 base["MASTER_PORT"] = str(port)
         if self.virtual_local_rank:
@@ -334,7 +332,7 @@ def _refuse_rendezvous(options: argparse.Namespace, *, several_nodes: bool) -> N
     flags; on one machine only the values that describe one machine pass.
     """
     if not several_nodes:
-        _refuse_other_machines(options)
+        refuse_other_machines(options)
     if options.master_port is not None:
         check_port("--master-port", options.master_port)
     for flag, value, why in (
@@ -364,47 +362,6 @@ def _refuse_rendezvous(options: argparse.Namespace, *, several_nodes: bool) -> N
             raise UsageError(
                 f"--monitor-interval wants seconds, got {options.monitor_interval!r}"
             ) from None
-
-
-def _one_machine_port(options: argparse.Namespace) -> int | None:
-    """``MASTER_PORT`` on one machine: ``--master-port``, else a static ``--rdzv-endpoint``'s.
-
-    As torchrun's: the static rendezvous's endpoint stands for
-    ``--master-addr``/``--master-port``. None: a free port, fresh for each start.
-    """
-    if options.master_port is not None:
-        return int(options.master_port)
-    if options.rdzv_endpoint is not None and options.rdzv_backend in (None, "static"):
-        return endpoint_port(options.rdzv_endpoint) or None  # 0: any free port
-    return None
-
-
-def _refuse_other_machines(options: argparse.Namespace) -> None:
-    """On one machine: refuse rendezvous values that name another machine."""
-    elsewhere = (
-        "with one node (--nnodes 1) aiospawn run starts every rank itself, on this machine"
-        " or, with --ray ADDRESS, on a Ray cluster: there is no rendezvous to join"
-    )
-    if options.node_rank is not None and options.node_rank != "0":
-        raise UsageError(f"--node-rank {options.node_rank}: {elsewhere}")
-    if options.rdzv_backend is not None and options.rdzv_backend not in ("static", "c10d"):
-        raise UsageError(f"--rdzv-backend {options.rdzv_backend}: {elsewhere}")
-    if options.rdzv_endpoint is not None:
-        host = options.rdzv_endpoint.rpartition(":")[0] or options.rdzv_endpoint
-        if host.strip("[]") not in LOCAL_HOSTS:
-            raise UsageError(f"--rdzv-endpoint {options.rdzv_endpoint}: {elsewhere}")
-        endpoint_port(options.rdzv_endpoint)  # refuses a port out of range
-    if options.master_addr is not None and options.master_addr not in LOCAL_HOSTS:
-        raise UsageError(
-            f"--master-addr {options.master_addr}: the ranks of one machine meet on"
-            " 127.0.0.1; on Ray, MASTER_ADDR is rank 0's node"
-        )
-    for flag, value in (
-        ("--rdzv-conf", options.rdzv_conf),
-        ("--local-addr", options.local_addr),
-    ):
-        if value is not None:
-            raise UsageError(f"{flag} {value}: {elsewhere}")
 
 
 def _restart_policy(options: argparse.Namespace) -> aiospawn.RestartPolicy | None:
