@@ -41,8 +41,9 @@ from ._pool import SegmentPool
 INBOX_MESSAGES = 64
 INBOX_BYTES = 64 * 1024 * 1024
 
-#: The frames the reader callback sorts itself (:meth:`Inbound.sort_now`).
-_EAGER_KINDS = frozenset({Kind.MESSAGE, Kind.REPLY, Kind.READY})
+#: The frames the reader callback sorts itself (:meth:`Inbound.sort_now`): the
+#: bookkeeping ones too, which would otherwise wake the pump's task for nothing.
+_EAGER_KINDS = frozenset({Kind.MESSAGE, Kind.REPLY, Kind.READY, Kind.RELEASED, Kind.TAKEN})
 
 
 class Inbound:
@@ -123,8 +124,8 @@ class Inbound:
     def sort_now(self) -> bool:
         """Sort the frames readable now, from the link's reader callback (asyncio).
 
-        Messages, replies and READY only: anything else (the end, a CLOSE, a
-        broken frame, a full inbox) is left to the pump's task. Returns True
+        Messages, replies, READY, RELEASED and TAKEN only: anything else (the
+        end, a CLOSE, a broken frame, a full inbox) is left to the pump's task. Returns True
         if the task need not wake.
         """
         link = self._link
