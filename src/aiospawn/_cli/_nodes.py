@@ -140,6 +140,8 @@ def read_nodes(options: argparse.Namespace) -> Nodes | None:
         UsageError: The flags contradict each other, name a rendezvous we do
             not join, or torch is not installed; nothing has started.
     """
+    if options.master_port is not None:  # on one machine too: it is MASTER_PORT there
+        check_port("--master-port", options.master_port)
     low, high = node_counts(options.nnodes) if options.nnodes is not None else (1, 1)
     if options.standalone:
         if high > 1:
@@ -171,8 +173,6 @@ def read_nodes(options: argparse.Namespace) -> Nodes | None:
                 f"{flag} with --nnodes {options.nnodes}: across nodes a restart is a new"
                 " rendezvous round on every node, as torchrun's; only --max-restarts applies"
             )
-    if options.master_port is not None:
-        check_port("--master-port", options.master_port)
     try:
         config: dict[str, str | int] = dict(_rendezvous_config(options.rdzv_conf or ""))
     except ValueError as exc:

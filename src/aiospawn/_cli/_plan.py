@@ -30,7 +30,6 @@ from aiospawn._core._spec import DEFAULT_PREFIX, make_output_spec, make_spec
 
 from ._nodes import (
     Nodes,
-    check_port,
     ignored_flags,
     one_machine_port,
     read_nodes,
@@ -333,8 +332,6 @@ def _refuse_rendezvous(options: argparse.Namespace, *, several_nodes: bool) -> N
     """
     if not several_nodes:
         refuse_other_machines(options)
-    if options.master_port is not None:
-        check_port("--master-port", options.master_port)
     for flag, value, why in (
         ("--logs-specs", options.logs_specs, "use --log-dir, -r/--redirects and -t/--tee"),
         (
