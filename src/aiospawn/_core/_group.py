@@ -501,7 +501,7 @@ class Group(Generic[T]):
                     if self._restarts.pending:
                         fresh = await self._restarts.step(self._ranks, self._numbers)
                         if fresh:
-                            self._watch(fresh)
+                            await self._watch(fresh)
                             self._changed.notify()  # the hang monitor has new ranks to watch
                     else:
                         await self._changed.wait()
@@ -530,9 +530,16 @@ class Group(Generic[T]):
         finally:
             self._first_start = None
             self._started.set()
-        self._watch(self._ranks)
+        await self._watch(self._ranks)
 
-    def _watch(self, ranks: Iterable[RankHandle]) -> None:
+    async def _watch(self, ranks: Iterable[RankHandle]) -> None:
+        """Start the tasks that watch each started rank's exit and read its channel.
+
+        A rank at a time, with a checkpoint in between: the first steps of a
+        rank's tasks (registering its descriptors with the loop) then run
+        apart from the next rank's, and other tasks run in between, instead
+        of one stretch of about 3 ms for 8 ranks.
+        """
         assert self._owned is not None
         for rank in ranks:
             if rank.started:
@@ -540,6 +547,7 @@ class Group(Generic[T]):
                 pump = self._live.pump(rank)
                 if pump is not None:
                     self._owned.start_soon(pump)
+                await checkpoint()
 
     async def _exit_of(self, rank: RankHandle) -> RankExit | None:
         """Wait until the owner has recorded ``rank``'s exit; None if it never started."""
