@@ -102,7 +102,12 @@ def trial(method: str, groups: int) -> list[dict[str, object]]:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [HERE, env.get("PYTHONPATH")]))
     done = subprocess.run(
         [sys.executable, "-c", TRIAL, method, str(groups)],
-        cwd=HERE, env=env, capture_output=True, text=True, timeout=600, check=False,
+        cwd=HERE,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     if done.returncode != 0:
         raise RuntimeError(f"trial failed:\n{done.stderr}")
