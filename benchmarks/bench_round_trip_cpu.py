@@ -1,9 +1,9 @@
-"""Where a small round trip's time goes: the supervisor's CPU and the ranks' CPU, per request.
+"""Where a round trip's time goes: the supervisor's CPU and the ranks' CPU, per request.
 
 Issue 26's latency targets compare aiospawn with a socket pair driven from the
-same event loop. This splits each request of ``bench_small_messages``' small
-cases (64 B to one rank, a call to one rank, 64 B to 8 ranks and a call to
-8 ranks) into what each end spent, for the asyncio floor (a blocking peer
+same event loop. This splits each request of ``bench_small_messages``' cases
+(64 B to one rank and to 8 ranks, 1 MB to one rank: a message and its answer,
+or a call) into what each end spent, for the asyncio floor (a blocking peer
 per socket pair), aiospawn's channel and ``ctx.call()``:
 
 * the wall time per request (mean, over ``--count`` requests);
@@ -37,10 +37,12 @@ from harness import STEADY_MALLOC
 
 import aiospawn
 
-#: The cases: name, the ranks asked, the operation.
+#: The cases: name, the ranks asked, the payload's size, and the requests per trial (a share
+#: of ``--count``).
 CASES = (
-    ("64 B round trip, 1 rank", [0]),
-    (f"64 B round trip, {dataplane.NPROCS} ranks", list(range(dataplane.NPROCS))),
+    ("64 B round trip, 1 rank", [0], 64, 1.0),
+    (f"64 B round trip, {dataplane.NPROCS} ranks", list(range(dataplane.NPROCS)), 64, 1.0),
+    ("1 MB round trip, 1 rank", [0], 1_000_000, 0.1),
 )
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -72,9 +74,9 @@ def cpu_of(pids: list[int]) -> float:
     return total / TICKS
 
 
-async def trial(transport: Any, ranks: list[int], count: int) -> dict[str, float]:
-    """``count`` requests of 64 B; per request: wall, loop CPU and the ranks' CPU [µs]."""
-    payload = dataplane.make_payload("bytes", 64)
+async def trial(transport: Any, ranks: list[int], size: int, count: int) -> dict[str, float]:
+    """``count`` requests of ``size`` bytes; per request: wall, loop and ranks' CPU [µs]."""
+    payload = dataplane.make_payload("bytes", size)
     pids = descendants(os.getpid())
     for _ in range(20):  # warm
         await transport.request("echo", payload, ranks)
@@ -99,14 +101,15 @@ async def main(trials: int, count: int) -> None:
             transport = kind()
             await transport.open(stack, "")
             transports.append(transport)
-        for name, ranks in CASES:
+        for name, ranks, size, share in CASES:
+            requests = max(1, round(count * share))
             load = ", ".join(f"{value:.2f}" for value in os.getloadavg())
             rows: dict[str, list[dict[str, float]]] = {t.name: [] for t in transports}
             for index in range(trials):
                 shift = index % len(transports)
                 for transport in transports[shift:] + transports[:shift]:
-                    rows[transport.name].append(await trial(transport, ranks, count))
-            print(f"\n{name} ({count} requests a trial, {trials} trials, load {load})")
+                    rows[transport.name].append(await trial(transport, ranks, size, requests))
+            print(f"\n{name} ({requests} requests a trial, {trials} trials, load {load})")
             print(f"  {'':30s} {'wall':>8s} {'loop CPU':>9s} {'ranks CPU':>9s}  [µs per request]")
             for peer, results in rows.items():
                 cells = [statistics.median(r[key] for r in results) for key in results[0]]
