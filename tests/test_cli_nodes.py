@@ -300,6 +300,11 @@ def test_a_failing_rank_on_one_node_stops_the_ranks_of_the_other(
     assert "rank 3 (local rank 1), failed first: exit code 3" in err0
     assert "the ranks here were stopped" in err0
     assert "rank 3 (local rank 1), failed first" in err1
+    # The failed node's own report counts the job's ranks and its local ones.
+    assert "rank 3 (local rank 1) failed (root cause)" in err1
+    rows = err1[err1.index("summary of") :].splitlines()[1:]
+    assert rows[0].split()[:2] == ["rank", "(local)"], rows
+    assert [row.split()[:2] for row in rows[1:3]] == [["2", "(0)"], ["3", "(1)"]], rows
     error = json.loads(error_file.read_text())
     assert error["message"]["errorCode"] == 3
 

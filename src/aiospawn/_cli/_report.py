@@ -33,6 +33,15 @@ class Run:
         self.usage_error: BaseException | None = None
         self.finished = False
         self.done = anyio.Event()
+        #: With several nodes: the job's rank of this node's local rank 0 in
+        #: the current round (the report then gives both numbers).
+        self.base_rank: int | None = None
+
+    def rank_name(self, local: int) -> str:
+        """How the report names local rank ``local``: with several nodes, by both numbers."""
+        if self.base_rank is None:
+            return f"rank {local}"
+        return f"rank {self.base_rank + local} (local rank {local})"
 
 
 def say(line: str) -> None:
@@ -69,7 +78,7 @@ def report(run: Run) -> int:
     else:
         status = 1
     if failure is not None and root is not None:
-        say(f"rank {root} failed (root cause): {_root_cause(failure)}")
+        say(f"{run.rank_name(root)} failed (root cause): {_root_cause(failure)}")
     if run.group is not None:
         say(
             f"summary of {run.plan.name}, {nprocs} rank{'s' if nprocs > 1 else ''},"
@@ -99,11 +108,18 @@ def _indent(text: str) -> str:
 
 
 def _table(run: Run, root: int | None) -> str:
-    """The summary: one row per rank, with its pid, how it ended and how long it ran."""
+    """The summary: one row per rank, with its pid, how it ended and how long it ran.
+
+    With several nodes, the rank column gives the job's rank and the local
+    one, as the launcher's other lines do.
+    """
     assert run.group is not None
     statistics = run.group.statistics()
     restarts = statistics.restarts > 0
-    rows: list[tuple[str, ...]] = [("rank", "pid", "exit", "restarts", "duration")]
+    base = run.base_rank
+    rows: list[tuple[str, ...]] = [
+        ("rank" if base is None else "rank (local)", "pid", "exit", "restarts", "duration")
+    ]
     for rank in statistics.ranks:
         last = rank.last_exit
         if last is None:
@@ -122,7 +138,8 @@ def _table(run: Run, root: int | None) -> str:
             duration = "?"
         else:
             duration = f"{last.time - rank.last_start.time:.2f} s"
-        rows.append((str(rank.rank), str(rank.pid or "-"), exit_text, str(rank.restarts), duration))
+        name = str(rank.rank) if base is None else f"{base + rank.rank} ({rank.rank})"
+        rows.append((name, str(rank.pid or "-"), exit_text, str(rank.restarts), duration))
     if not restarts:  # without restarts the column says nothing
         rows = [(*row[:3], row[4]) for row in rows]
     widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]

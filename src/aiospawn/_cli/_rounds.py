@@ -188,6 +188,7 @@ async def _round(plan: Plan, node: _Node, current: Round, error_files: str) -> d
 
         tasks.start_soon(watch)
         with ranks:
+            run.base_rank = current.base_rank
             run.group = await start_group(plan, error_files, current.environment)
             group = run.group
 
