@@ -227,6 +227,9 @@ class FakeRank:
         self._ending: tuple[int, tuple[int, bytes] | None, float | None] | None = None
         self._ended = anyio.Event()
         self._stopped_by_us = False
+        #: Who recorded the exit: "wait" (the owner's watch) or "poll" (anyone else).
+        self.recorded_by: str | None = None
+        self._in_wait = False
 
     @property
     def process(self) -> FakeProcess | None:
@@ -234,6 +237,10 @@ class FakeRank:
         return None if self.pid is None else FakeProcess(pid=self.pid, sentinel=self.pid)
 
     # The seam (RankHandle), as the group calls it.
+
+    def exited(self) -> bool:
+        """True once the test has declared the exit; records nothing."""
+        return self.exit is not None or self._ending is not None
 
     def poll(self) -> RankExit | None:
         """Record the exit the test declared, as a watcher reaping the rank would."""
@@ -248,6 +255,7 @@ class FakeRank:
                 stopped_by_us=self._stopped_by_us,
                 ended_at=ended_at,
             )
+            self.recorded_by = "wait" if self._in_wait else "poll"
             self._backend.changed.notify()
         return self.exit
 
@@ -259,7 +267,11 @@ class FakeRank:
             self.returns()  # nothing if a signal ended it first
         await self._ended.wait()
         await checkpoint()
-        exit = self.poll()
+        self._in_wait = True
+        try:
+            exit = self.poll()
+        finally:
+            self._in_wait = False
         assert exit is not None
         return exit
 

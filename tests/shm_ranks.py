@@ -50,11 +50,6 @@ def inode_of(value: Any) -> int:
     return 0
 
 
-def sendable(value: Any) -> Any:
-    """``value``, a memoryview (what a large PickleBuffer arrives as) as a PickleBuffer."""
-    return pickle.PickleBuffer(value) if isinstance(value, memoryview) else value
-
-
 class Handler:
     """Calls that take and return large buffers."""
 
@@ -63,7 +58,7 @@ class Handler:
 
     def echo(self, value: Any) -> tuple[int, Any]:
         """``value`` back, and how many memfd mappings this rank held with it."""
-        return len(memfd_maps()), sendable(value)
+        return len(memfd_maps()), value
 
     def inodes(self, value: Any) -> list[int]:
         """The memfds mapped here while ``value`` lives (one, if it came in one)."""
@@ -87,7 +82,7 @@ def echo(rank: int) -> None:
     for message in channel:
         if isinstance(message, str) and message == "serve":
             break
-        channel.send((len(memfd_maps()), sendable(message)))
+        channel.send((len(memfd_maps()), message))
     aiospawn.serve(Handler())
 
 
@@ -96,7 +91,7 @@ async def echo_async(rank: int) -> None:
     async for message in channel:
         if isinstance(message, str) and message == "serve":
             break
-        await channel.send((len(memfd_maps()), sendable(message)))
+        await channel.send((len(memfd_maps()), message))
     await aiospawn.serve(Handler())
 
 

@@ -182,6 +182,41 @@ async def test_large_buffers_are_mapped_both_ways(
                 del back
 
 
+@pytest.mark.both_loops
+async def test_a_memoryview_travels_as_a_view_of_the_same_format_shape_and_flag(
+    anyio_backend: str,
+) -> None:
+    # What a large PickleBuffer arrives as can be sent on: the echo sends back
+    # exactly what it received, a memoryview of its mapping.
+    grid = memoryview(bytearray(range(24))).cast("i", (2, 3))
+    views = {
+        "small": memoryview(bytearray(b"ab" * 50)),
+        "small, read-only": memoryview(b"cd" * 50),
+        "ints, 2-d": grid,
+        "0-d": memoryview(bytes(8)).cast("d", ()),
+        "strided": memoryview(bytearray(range(200)))[::3],
+        "large": memoryview(bytearray(b"\x05") * (2 * MiB)),
+        "large, read-only": memoryview(bytes(3 * MiB)),
+        "large PickleBuffer": pickle.PickleBuffer(bytearray(b"\x06") * (2 * MiB)),
+    }
+    with tripwire(60, "memoryviews to a rank and back"):
+        async with aiospawn.open_group(shm_ranks.echo, nprocs=1, start_method="fork") as ctx:
+            channel = ctx.channel(0)
+            for name, sent in views.items():
+                await channel.send(sent)
+                _, back = await channel.receive()
+                want = sent.raw() if isinstance(sent, pickle.PickleBuffer) else sent
+                assert isinstance(back, memoryview), name
+                got = (back.format, back.shape, back.readonly, back.tobytes())
+                assert got == (want.format, want.shape, want.readonly, want.tobytes()), name
+                del back
+            records = np.zeros(4, dtype=RECORD)
+            with pytest.raises(TypeError, match="cannot send a memoryview of format"):
+                await channel.send(memoryview(records))
+            await channel.send(memoryview(b"still open"))
+            assert (await channel.receive())[1].tobytes() == b"still open"
+
+
 async def test_warm_ranks_map_large_buffers_both_ways(anyio_backend: str) -> None:
     from aiospawn._local import _templates
 

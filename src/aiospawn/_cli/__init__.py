@@ -26,9 +26,11 @@ What each rank runs lives in ``aiospawn._rank.programs``, which a rank imports
 instead of this package.
 
 Import rule: this package may import ``aiospawn`` (its public API), anyio, the
-standard library, ``aiospawn._core`` and ``aiospawn._rank``, and torch in
-``_rendezvous`` alone, only on the multi-node path; nothing imports it but
-``aiospawn.__main__`` and the ``aiospawn`` script.
+standard library, ``aiospawn._core`` and ``aiospawn._rank``; of the backends,
+``aiospawn._local._backend`` (the plan's check and ``LocalBackend``) and
+``aiospawn.ray`` (``--ray``); and torch in ``_rendezvous`` alone, only on the
+multi-node path. Nothing imports it but ``aiospawn.__main__`` and the
+``aiospawn`` script.
 """
 
 from __future__ import annotations

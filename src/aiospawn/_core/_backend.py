@@ -117,6 +117,13 @@ class RankHandle(Protocol):
     def exit(self) -> RankExit | None:
         """How the attempt ended, once it has ended and been cleaned up."""
 
+    def exited(self) -> bool:
+        """True once the attempt has ended, whether or not its exit is recorded yet.
+
+        A query: it reads, reaps and tells nothing (the owner's :meth:`wait`
+        does all three).
+        """
+
     def poll(self) -> RankExit | None:
         """Reap the rank if it has exited, without waiting; return the exit if known now.
 

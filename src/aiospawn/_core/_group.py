@@ -436,13 +436,13 @@ class Group(Generic[T]):
         return True
 
     async def _see_exits(self) -> None:
-        """Let the owner record the exits that have happened, if it has not yet.
+        """Wait until the owner has recorded the exits that have happened already.
 
         A rank may have exited a moment ago, its exit fd readable, its watcher
         not yet scheduled: a ``join(0)`` must still see it, as
-        ``multiprocessing``'s does.
+        ``multiprocessing``'s does. Only asked (``exited()``): the owner reaps.
         """
-        ended = [rank for rank in self._ranks if rank.started and rank.poll() is not None]
+        ended = [rank for rank in self._ranks if rank.started and rank.exited()]
         while not self._done.is_set() and any(rank not in self._recorded for rank in ended):
             await self._changed.wait()
 

@@ -104,7 +104,12 @@ async def encode(obj: Any, shared: bool = False, pool: SegmentPool | None = None
     sink = _Sink()
     large: list[memoryview] | None = [] if shared else None
     try:
-        buffers.pickler(sink, large).dump(obj)
+        try:
+            buffers.pickler(sink, large).dump(obj)
+        except TypeError:
+            # Perhaps a memoryview, which plain pickle refuses: again, with views.
+            sink, large = _Sink(), [] if shared else None
+            buffers.pickler(sink, large, views=True).dump(obj)
     except _TooLarge:
         if pool is None:
             # The thread's result comes back even if the task is cancelled

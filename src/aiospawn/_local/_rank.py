@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing.process
 import os
+import select
 import signal
 import time
 from multiprocessing.process import BaseProcess
@@ -161,6 +162,16 @@ class LocalRank:
         self._output.discard()
         if self._progress is not None:
             self._progress.close()
+
+    def exited(self) -> bool:
+        """True once the rank has exited: its exit descriptor is readable. Reaps nothing."""
+        if self._exit is not None:
+            return True
+        if not self._started or self._exit_fd < 0:
+            return False
+        poller = select.poll()
+        poller.register(self._exit_fd, select.POLLIN)
+        return bool(poller.poll(0))
 
     def poll(self) -> RankExit | None:
         """Make progress without waiting: read what the rank sent, reap it if it exited."""

@@ -179,15 +179,23 @@ class _Collect:
         return False
 
 
-def pickler(file: Any, large: list[memoryview] | None) -> pickle.Pickler:
+def pickler(file: Any, large: list[memoryview] | None, *, views: bool = False) -> pickle.Pickler:
     """A protocol-5 pickler into ``file``; ``large`` collects the buffers to share.
 
     With ``large`` None every buffer stays in the pickle. Tensors are reduced
-    by ``tensors.TensorPickler`` if torch is imported.
+    by ``tensors.TensorPickler`` if torch is imported. With ``views``, a
+    ``memoryview`` too, as ``views`` (the module) says: the callers ask for it
+    once a plain pickler has refused an object, since its reducer table costs
+    every message about 2 µs.
     """
     callback = None if large is None else _Collect(large)
     kind = TensorPickler if "torch" in sys.modules else pickle.Pickler
-    return kind(file, protocol=5, buffer_callback=callback)
+    made = kind(file, protocol=5, buffer_callback=callback)
+    if views:
+        from .views import dispatch_table  # imported by the few that need it
+
+        made.dispatch_table = dispatch_table()
+    return made
 
 
 def dumps(obj: Any, shared: bool) -> Packed:
@@ -210,13 +218,31 @@ def pickle_body(obj: Any, large: list[memoryview] | None) -> bytes:
     Raises:
         BaseException: Whatever pickling ``obj`` raised.
     """
-    if "torch" in sys.modules:
-        out = io.BytesIO()
-        pickler(out, large).dump(obj)
-        return out.getvalue()
-    # The C function: no file object to call (a small message's cost halves).
-    callback = None if large is None else _Collect(large)
-    return pickle.dumps(obj, protocol=5, buffer_callback=callback)
+    try:
+        if "torch" in sys.modules:
+            out = io.BytesIO()
+            pickler(out, large).dump(obj)
+            return out.getvalue()
+        # The C function: no file object to call (a small message's cost halves).
+        callback = None if large is None else _Collect(large)
+        return pickle.dumps(obj, protocol=5, buffer_callback=callback)
+    except TypeError:
+        # Perhaps a memoryview, which plain pickle refuses: again, with views
+        # (an object that is not picklable fails again, with the same error).
+        if large is not None:
+            large.clear()
+        return pickle_with_views(obj, large)
+
+
+def pickle_with_views(obj: Any, large: list[memoryview] | None) -> bytes:
+    """Pickle ``obj`` with :func:`pickler`'s ``views``: a memoryview pickles too.
+
+    Raises:
+        BaseException: Whatever pickling ``obj`` raised.
+    """
+    out = io.BytesIO()
+    pickler(out, large, views=True).dump(obj)
+    return out.getvalue()
 
 
 def pack(body: bytes, large: list[memoryview]) -> Packed:

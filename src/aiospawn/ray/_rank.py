@@ -118,6 +118,10 @@ class RayRank:
         self._done = done_event(self._future)
         self.link.attach(self._future, board, token)
 
+    def exited(self) -> bool:
+        """True once the rank's ``run()`` has finished. Changes nothing."""
+        return self._exit is not None or (self._future is not None and self._future.done())
+
     def poll(self) -> RankExit | None:
         """Return the exit if ``run()`` has finished, without waiting.
 

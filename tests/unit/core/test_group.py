@@ -66,6 +66,21 @@ async def test_ranks_that_return_give_their_results_in_rank_order() -> None:
     assert backend.launcher.closed
 
 
+async def test_join_only_asks_whether_ranks_exited_and_the_owner_alone_records_the_exits() -> None:
+    backend = FakeBackend()
+    ctx = await start_group(backend, nprocs=2)
+    backend.attempt(0).returns(0)
+    # Exited a moment ago, not recorded yet: join(0) still sees it, and waits
+    # for the owner's watch to record it rather than reaping it itself.
+    assert backend.attempt(0).exit is None
+    assert await ctx.join(0) is False
+    assert backend.attempt(0).recorded_by == "wait"
+    backend.attempt(1).returns(1)
+    assert await ctx.join(0) is True
+    assert [backend.attempt(rank).recorded_by for rank in (0, 1)] == ["wait", "wait"]
+    assert ctx.results == [0, 1]
+
+
 async def test_the_first_failure_stops_the_others_and_every_join_raises_it_again() -> None:
     backend = FakeBackend()
     ctx = await start_group(backend, nprocs=3)
