@@ -185,8 +185,8 @@ def pickler(file: Any, large: list[memoryview] | None, *, views: bool = False) -
     With ``large`` None every buffer stays in the pickle. Tensors are reduced
     by ``tensors.TensorPickler`` if torch is imported. With ``views``, a
     ``memoryview`` too, as ``views`` (the module) says: the callers ask for it
-    once a plain pickler has refused an object, since its reducer table costs
-    every message about 2 µs.
+    once a plain pickler has refused an object, since building its reducer
+    table would cost every message a microsecond or two.
     """
     callback = None if large is None else _Collect(large)
     kind = TensorPickler if "torch" in sys.modules else pickle.Pickler
