@@ -73,6 +73,23 @@ def test_public_objects_live_in_the_package(name: str) -> None:
             assert value.__module__.startswith("aiospawn"), (attr, value.__module__)
 
 
+def test_the_errors_are_aiospawns_by_name_through_aiospawn_sync_alone() -> None:
+    # A program that only does `import aiospawn.sync as mp` sees them in
+    # tracebacks and reprs as aiospawn's, not under a private module.
+    code = (
+        "import aiospawn.sync as mp\n"
+        "print(repr([mp.ProcessException, mp.ProcessExitedException,"
+        " mp.ProcessRaisedException]))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.strip() == (
+        "[<class 'aiospawn.ProcessException'>, <class 'aiospawn.ProcessExitedException'>,"
+        " <class 'aiospawn.ProcessRaisedException'>]"
+    )
+
+
 def imported_after(statement: str) -> dict[str, bool]:
     """Run ``statement`` in a fresh interpreter; report which event-loop modules it loaded."""
     code = (

@@ -54,9 +54,9 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypeVarTuple, overload
 
-from . import _torch_mp
+# The errors through the package, which names them aiospawn's in tracebacks and reprs.
+from . import ProcessException, ProcessExitedException, ProcessRaisedException, _torch_mp
 from ._api import warn_spawn_only
-from ._core._errors import ProcessException, ProcessExitedException, ProcessRaisedException
 from ._core._spec import check_seconds
 from ._local._strategy import resolve_start_method
 from ._sync import _blocking_group
@@ -172,8 +172,9 @@ class ProcessContext:
         raised at that one point, never in the middle of the call's own
         bookkeeping. Any other exception raised in the calling thread while it
         waits does the same. A second Ctrl-C during the shutdown propagates at
-        once; the loop thread finishes the shutdown and the next ``join()``
-        reports it.
+        once and hurries it: the ranks still running get SIGKILL now, not at
+        the end of the grace period; the loop thread reaps them and the next
+        ``join()`` reports it.
         """
         refuse_inside_event_loop("ProcessContext.join()")
         wait = _timeout_seconds(timeout)

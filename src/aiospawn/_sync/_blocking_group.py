@@ -13,8 +13,9 @@ outcome recorded, the loop thread gone. Its stages::
        ├── settle(): a shutdown, waited for ─── recorded on the loop ──► RECORDED
        │                                                                    │
        └── settle() cut short by a second Ctrl-C ──► CONCLUDING             │
-              (the loop thread finishes the shutdown, records it,           │
-               and ends; the next join() or terminate() waits for it)       │
+              (the loop thread finishes the shutdown, hurried to a          │
+               SIGKILL, records it, and ends; the next join() or            │
+               terminate() waits for it)                                    │
                                                                             ▼
                                the loop thread has ended, the ranks read ► FINISHED
 
@@ -162,7 +163,8 @@ class BlockingGroup:
         Terminates what still runs and records the outcome (unless that is
         done), ends the loop thread, then reads the group's final state.
         Idempotent. If the shutdown's wait is itself interrupted (a second
-        Ctrl-C), the exception propagates at once and a later call does not
+        Ctrl-C), the exception propagates at once, the shutdown is hurried
+        (SIGKILL now, not after the grace period) and a later call does not
         wait again: the loop thread completes the shutdown by itself and the
         next join() reports it.
         """
@@ -176,10 +178,18 @@ class BlockingGroup:
             # wait is interrupted and nobody waits for it any more.
             ctrl_c = CtrlC.current()
             if ctrl_c is not None and ctrl_c.count > 1:  # a second Ctrl-C: out at once
-                self._loop.start(self._conclude, grace_period)
+                self._loop.start(self._conclude, 0)
                 return
-            with contextlib.suppress(LoopClosed):  # recorded by a concurrent call
-                self._loop.run(self._conclude, grace_period, interruptible=False, then_stop=True)
+            try:
+                with contextlib.suppress(LoopClosed):  # recorded by a concurrent call
+                    self._loop.run(
+                        self._conclude, grace_period, interruptible=False, then_stop=True
+                    )
+            except KeyboardInterrupt:
+                # A second Ctrl-C while the ranks are given their grace period:
+                # out at once, and the ranks are killed now, not after it.
+                self._loop.start(self.group.terminate, 0)
+                raise
         self._loop.close()
         # The loop thread has ended: the group's state is ours to read.
         self.unjoined = group_of(self.group).unjoined()

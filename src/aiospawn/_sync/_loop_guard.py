@@ -31,9 +31,10 @@ def refuse_inside_event_loop(call: str) -> None:
     """
     library = running_loop()
     if library is not None and not _called_from_a_notebook_cell():
+        article = "an" if library == "asyncio" else "a"
         raise RuntimeError(
-            f"aiospawn.sync.{call} blocks its thread, and this thread runs an {library} event"
-            " loop that would stall meanwhile; use the async API instead: `await"
+            f"aiospawn.sync.{call} blocks its thread, and this thread runs {article} {library}"
+            " event loop that would stall meanwhile; use the async API instead: `await"
             " aiospawn.start_processes(...)` or `async with aiospawn.open_group(...) as group`"
         )
 
