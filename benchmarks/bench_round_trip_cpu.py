@@ -27,13 +27,12 @@ import contextlib
 import multiprocessing.forkserver
 import os
 import statistics
-import sys
 import time
 from typing import Any
 
 import anyio
 import bench_dataplane as dataplane
-from harness import STEADY_MALLOC
+from harness import hold_malloc_steady
 
 import aiospawn
 
@@ -118,9 +117,7 @@ async def main(trials: int, count: int) -> None:
 
 
 if __name__ == "__main__":
-    if not STEADY_MALLOC.keys() <= os.environ.keys():
-        # Again, with the allocator held steady as the dataplane scenario's is.
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**STEADY_MALLOC, **os.environ})
+    hold_malloc_steady()  # as the dataplane scenario's is
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=5, help="trials per peer and case")
     parser.add_argument("--count", type=int, default=3000, help="requests per trial")

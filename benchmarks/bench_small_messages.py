@@ -23,11 +23,10 @@ import contextlib
 import dataclasses
 import multiprocessing.forkserver
 import os
-import sys
 
 import anyio
 import bench_dataplane as dataplane
-from harness import STEADY_MALLOC, Peer, ScenarioResult, alternate
+from harness import Peer, ScenarioResult, alternate, hold_malloc_steady
 
 import aiospawn
 
@@ -79,9 +78,7 @@ async def main(trials: int) -> None:
 
 
 if __name__ == "__main__":
-    if not STEADY_MALLOC.keys() <= os.environ.keys():
-        # Again, with the allocator held steady as the dataplane scenario's is.
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**STEADY_MALLOC, **os.environ})
+    hold_malloc_steady()  # as the dataplane scenario's is
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=5, help="trials per peer and case")
     anyio.run(main, parser.parse_args().trials)

@@ -42,6 +42,8 @@ import statistics
 import subprocess
 import sys
 
+from harness import trial_environment
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 #: The trial, run as ``python -c``. argv: peer, method, nprocs, groups, ticker, runner.
@@ -136,9 +138,7 @@ print(json.dumps({"groups": groups_out, "file": aiospawn.__file__}))
 
 def trial(args: argparse.Namespace, peer: str, method: str, src: str | None) -> dict[str, object]:
     """One fresh interpreter; its groups' figures."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    env["PYTHONPYCACHEPREFIX"] = os.path.join(HERE, ".cache", "pycache")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, HERE, env.get("PYTHONPATH")]))
+    env = trial_environment(src)
     command = [sys.executable, "-c", TRIAL, peer, method, str(args.nprocs), str(args.groups)]
     command += ["1" if args.ticker else "0", "asyncio" if args.asyncio_run else "anyio"]
     if args.nice:

@@ -33,6 +33,8 @@ import statistics
 import subprocess
 import sys
 
+from harness import trial_environment
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 #: The trial, run as ``python -c``. argv: method, groups.
@@ -97,13 +99,10 @@ print(json.dumps(anyio.run(main)))
 
 def trial(method: str, groups: int) -> list[dict[str, object]]:
     """One fresh interpreter; each group's worst gap and the threads' CPU in it."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    env["PYTHONPYCACHEPREFIX"] = os.path.join(HERE, ".cache", "pycache")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [HERE, env.get("PYTHONPATH")]))
     done = subprocess.run(
         [sys.executable, "-c", TRIAL, method, str(groups)],
         cwd=HERE,
-        env=env,
+        env=trial_environment(),
         capture_output=True,
         text=True,
         timeout=600,

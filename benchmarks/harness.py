@@ -349,3 +349,23 @@ STEADY_MALLOC = {
     "MALLOC_MMAP_THRESHOLD_": str(32 * 1024 * 1024),
     "MALLOC_TRIM_THRESHOLD_": str(128 * 1024 * 1024),
 }
+
+
+def hold_malloc_steady() -> None:
+    """Run this script again with :data:`STEADY_MALLOC` set, unless it is set already."""
+    if not STEADY_MALLOC.keys() <= os.environ.keys():
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**STEADY_MALLOC, **os.environ})
+
+
+def trial_environment(src: str | None = None) -> dict[str, str]:
+    """The environment of a trial in a fresh interpreter started from ``benchmarks/``.
+
+    ``src`` (a checkout's ``src``) first on ``PYTHONPATH``, then this
+    directory; bytecode written and kept apart (``.cache/pycache``), so that
+    no trial pays for compiling the modules it imports.
+    """
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env["PYTHONPYCACHEPREFIX"] = os.path.join(here, ".cache", "pycache")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, here, env.get("PYTHONPATH")]))
+    return env
