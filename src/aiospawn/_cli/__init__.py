@@ -35,9 +35,11 @@ multi-node path. Nothing imports it but ``aiospawn.__main__`` and the
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import anyio
 
@@ -58,6 +60,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Args:
         argv: The arguments after the program name; ``None`` for ``sys.argv[1:]``.
+
+    With ``--nnodes`` (one node of a job) it does not return once the job
+    has run: it ends the process with the job's status (see
+    :func:`end_at_once`).
 
     Raises:
         SystemExit: For ``--help`` and ``--version`` (status 0), and with no
@@ -84,10 +90,29 @@ def main(argv: Sequence[str] | None = None) -> int:
             # One node of several: torch's rendezvous is imported on this path only.
             from ._rounds import supervise_nodes
 
-            return anyio.run(supervise_nodes, plan, backend="asyncio")
+            end_at_once(anyio.run(supervise_nodes, plan, backend="asyncio"))
         return anyio.run(supervise, plan, backend="asyncio")
     except KeyboardInterrupt:  # Ctrl-C before the signal handlers were in place
         return 130
+
+
+def end_at_once(status: int) -> NoReturn:
+    """Flush what the launcher wrote, then end the process with ``status``, skipping finalization.
+
+    A call to torch's rendezvous store that the launcher stopped waiting for
+    (:func:`._rounds.off_loop` leaves it in a daemon thread) may return while
+    the interpreter finalizes. Its thread then exits inside torch's C++ code,
+    which aborts the process (SIGABRT, "terminate called without an active
+    exception") after the job's report, and the node's status is lost. By
+    this point the ranks are reaped and the error files removed: the
+    finalization has nothing left to do that the launcher needs, as a rank's
+    has not once its result is sent.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed pipe: nothing more can be said
+            stream.flush()
+    os._exit(status)
 
 
 def _log_to_stderr(*, verbose: bool) -> None:
