@@ -115,3 +115,26 @@ def test_a_fork_server_that_died_between_groups_is_started_again_with_the_bootst
     assert len(servers[2]) == 1  # a new one
     assert servers[2] != servers[0]
     assert all(preloaded for group in (first, second, third) for _, preloaded in group)
+
+
+def test_a_forkserver_rank_whose_fn_the_server_preloaded_imports_nothing() -> None:
+    # The descriptors a rank is given (its result pipe, its channel) are
+    # pickled as multiprocessing.popen_forkserver objects: the server imports
+    # that module before it forks, so unpickling them imports nothing.
+    program = textwrap.dedent(
+        """
+        import json, multiprocessing
+        import anyio, aiospawn
+
+        async def main():
+            # The spy, preloaded before the bootstrap, sees every import in a rank.
+            multiprocessing.set_forkserver_preload(["tests.import_spy"])
+            from tests import import_spy
+            print(json.dumps(await aiospawn.start_processes(
+                import_spy.imported_in_rank, nprocs=2, start_method="forkserver"
+            )))
+
+        anyio.run(main)
+        """
+    )
+    assert run_supervisor(program) == [[], []]
