@@ -543,6 +543,44 @@ def test_signal_stops_the_ranks_and_exits_128_plus_signal(
     assert err.count("SIGTERM (-15), stopped by aiospawn") == 2
 
 
+# The launcher as its console script runs it, with anyio's import held up
+# until the test sends SIGINT: a Ctrl-C during the launcher's first moments.
+SLOW_IMPORT = """
+import sys, time
+
+class HoldAnyio:
+    def find_spec(self, name, path=None, target=None):
+        if name == "anyio":
+            print("importing", flush=True)
+            time.sleep(60)
+        return None
+
+sys.meta_path.insert(0, HoldAnyio())
+from aiospawn._cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_ctrl_c_while_the_launcher_imports_exits_130_without_a_traceback() -> None:
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", SLOW_IMPORT, "run", "-n", "1", program("sleeper.py")],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert launcher.stdout is not None
+        assert launcher.stdout.readline() == "importing\n"
+        launcher.send_signal(signal.SIGINT)
+        _, err = launcher.communicate(timeout=TRIPWIRE)
+    finally:
+        launcher.kill()
+        launcher.wait()
+    assert launcher.returncode == 130, err
+    assert "Traceback" not in err
+
+
 def test_second_sigint_kills_ranks_that_ignore_sigterm(launchers: list[Launcher]) -> None:
     launcher = start(
         launchers, "run", "-n", "2", "--grace-period", "60", program("sleeper.py"), "ignore-term"

@@ -347,6 +347,10 @@ def test_restart_strategy_one_for_one_restarts_the_failed_rank_alone() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "failed (exit code 3); restarting it in 0.25 s" in result.stderr
+    # The warning's lines after the first (the rank's error) are the launcher's too.
+    warning = result.stderr[result.stderr.index("aiospawn: Rank 1") :].splitlines()
+    assert len(warning) > 1, warning
+    assert all(line.startswith("aiospawn: ") for line in warning), warning
     runs = [json.loads(line.split(": ", 1)[1]) for line in result.stdout.splitlines()]
     assert sorted((run["rank"], run["restart"]) for run in runs) == [
         ("0", "0"),

@@ -41,14 +41,6 @@ import os
 import sys
 from typing import TYPE_CHECKING, NoReturn
 
-import anyio
-
-from ._parse import PROG, UsageError, parse
-from ._plan import Plan
-from ._report import say
-from ._run import supervise
-from ._streams import die_of_sigpipe_on_closed_output
-
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
@@ -58,18 +50,29 @@ __all__ = ["main"]
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``aiospawn`` command line; return the exit status.
 
-    Args:
-        argv: The arguments after the program name; ``None`` for ``sys.argv[1:]``.
-
     With ``--nnodes`` (one node of a job) it does not return once the job
     has run: it ends the process with the job's status (see
     :func:`end_at_once`).
+
+    Args:
+        argv: The arguments after the program name; ``None`` for ``sys.argv[1:]``.
 
     Raises:
         SystemExit: For ``--help`` and ``--version`` (status 0), and with no
             command at all, after the usage (status 2).
     """
     try:
+        # Imported here, inside the try (about 0.14 s): a Ctrl-C while they
+        # load ends the launcher as a later one before the ranks start does,
+        # with 130 and no traceback.
+        import anyio
+
+        from ._parse import PROG, UsageError, parse
+        from ._plan import Plan
+        from ._report import say
+        from ._run import supervise
+        from ._streams import die_of_sigpipe_on_closed_output
+
         try:
             options = parse(argv)
             plan = Plan(options)
@@ -81,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"OMP_NUM_THREADS is unset: setting it to 1 in each of the {plan.nprocs}"
                 " ranks so they do not oversubscribe the CPUs; set it to choose another value"
             )
-        _log_to_stderr(verbose=plan.verbose)
+        _log_to_stderr(f"{PROG}: ", verbose=plan.verbose)
         # Like other command-line tools, die of SIGPIPE when the reader of our
         # output is gone (a pipe to head); the ranks die with us.
         die_of_sigpipe_on_closed_output()
@@ -115,12 +118,28 @@ def end_at_once(status: int) -> NoReturn:
     os._exit(status)
 
 
-def _log_to_stderr(*, verbose: bool) -> None:
+class _EveryLinePrefixed(logging.Formatter):
+    """The library's log lines as the launcher's own: each line begins with the program's name.
+
+    A record can span lines (a restart's warning carries the rank's error),
+    and a reader of the launcher's stderr tells its lines from the ranks' by
+    the prefix.
+    """
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self._prefix = prefix
+
+    def format(self, record: logging.LogRecord) -> str:
+        return "\n".join(self._prefix + line for line in super().format(record).splitlines())
+
+
+def _log_to_stderr(prefix: str, *, verbose: bool) -> None:
     """Show the library's log on stderr: warnings, and with ``-v`` its notes too."""
     logger = logging.getLogger("aiospawn")
     if not logger.handlers:
         handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter(f"{PROG}: %(message)s"))
+        handler.setFormatter(_EveryLinePrefixed(prefix))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO if verbose else logging.WARNING)
         logger.propagate = False
