@@ -95,6 +95,20 @@ async def echo_async(rank: int) -> None:
     await aiospawn.serve(Handler())
 
 
+def return_views(rank: int) -> list[Any]:
+    """Return the first message (a large buffer arrives as a memoryview) and views of its own."""
+    received = aiospawn.channel().receive()
+    grid = memoryview(array.array("i", range(6))).cast("B").cast("i", (2, 3))
+    return [received, memoryview(b"own" * 10), grid]
+
+
+def return_record_view(rank: int) -> memoryview:
+    """Return a view of a format no receiver could rebuild: the rank fails, saying so."""
+    import numpy as np
+
+    return memoryview(np.zeros(2, dtype=[("a", "i4"), ("b", "f8")]))
+
+
 class Holder:
     """Keeps arrays (or tensors) by name, and says where they lie and what they hold."""
 

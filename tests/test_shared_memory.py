@@ -217,6 +217,33 @@ async def test_a_memoryview_travels_as_a_view_of_the_same_format_shape_and_flag(
             assert (await channel.receive())[1].tobytes() == b"still open"
 
 
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver", "fork"])
+async def test_a_rank_may_return_memoryviews(anyio_backend: str, start_method: str) -> None:
+    # What a rank received can be its result as it is, a memoryview of the
+    # mapping; a view of a format the supervisor could not rebuild fails the
+    # rank with the reason, not the supervisor.
+    large = pickle.PickleBuffer(bytearray(b"\x07") * (2 * MiB))
+    with tripwire(60, f"memoryviews returned by a {start_method} rank"):
+        async with aiospawn.open_group(
+            shm_ranks.return_views, nprocs=1, start_method=start_method
+        ) as ctx:
+            await ctx.channel(0).send(large)
+            assert await ctx.join()
+            [[received, own, grid]] = ctx.results
+    assert isinstance(received, memoryview)
+    assert received.tobytes() == bytes(large.raw())
+    assert own.tobytes() == b"own" * 10
+    assert (grid.format, grid.shape, grid.tolist()) == ("i", (2, 3), [[0, 1, 2], [3, 4, 5]])
+    with (
+        tripwire(60, "a record view returned"),
+        pytest.raises(aiospawn.ProcessRaisedException) as failed,
+    ):
+        await aiospawn.start_processes(
+            shm_ranks.return_record_view, nprocs=1, start_method=start_method
+        )
+    assert "cannot send a memoryview of format" in str(failed.value)
+
+
 async def test_warm_ranks_map_large_buffers_both_ways(anyio_backend: str) -> None:
     from aiospawn._local import _templates
 

@@ -1,4 +1,4 @@
-"""A ``memoryview`` through a channel: pickled as the buffer it views, rebuilt as a view.
+"""A ``memoryview`` in a message or a result: pickled as the buffer it views, rebuilt as a view.
 
 Plain pickle refuses a ``memoryview``. A channel sends one as a
 ``pickle.PickleBuffer`` of its bytes (so a large one goes through shared
@@ -48,8 +48,8 @@ def reduce_view(view: memoryview) -> tuple[Any, tuple[Any, ...]]:
     """
     if view.format.removeprefix("@") not in _FORMATS:
         raise TypeError(
-            f"cannot send a memoryview of format {view.format!r} over the channel: send the"
-            " object it views (such as the numpy array), or view.cast('B')"
+            f"cannot send a memoryview of format {view.format!r}: send the object it views"
+            " (such as the numpy array), or view.cast('B')"
         )
     if view.c_contiguous:
         data: Any = pickle.PickleBuffer(view)

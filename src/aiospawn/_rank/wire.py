@@ -31,7 +31,7 @@ import pickle
 import signal
 import struct
 
-from .buffers import TOKEN, Mapped
+from .buffers import TOKEN, Mapped, pickle_with_views
 
 # For the checker only: a rank never imports typing (the package's import rule).
 TYPE_CHECKING = False
@@ -230,9 +230,17 @@ Outcome = tuple[int, bytes, int]
 
 
 def encode_value(value: Any) -> Outcome:
-    """The frame of a returned value, or of the TypeError if it cannot be pickled."""
+    """The frame of a returned value, or of the TypeError if it cannot be pickled.
+
+    A value may hold a ``memoryview``, as a message may (see ``views``); its
+    buffers stay in the frame.
+    """
     try:
-        payload = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            payload = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        except TypeError:
+            # Perhaps a memoryview, which plain pickle refuses: again, with views.
+            payload = pickle_with_views(value, None)
     except BaseException as exc:  # a __reduce__ may raise SystemExit: still this frame
         error = TypeError(f"the value returned by the rank cannot be pickled: {describe(exc)}")
         error.__cause__ = exc

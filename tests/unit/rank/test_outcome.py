@@ -137,6 +137,19 @@ def test_a_value_that_cannot_be_pickled_raises_saying_so() -> None:
     assert "the value returned by the rank cannot be pickled" in str(exc)
 
 
+def test_a_returned_memoryview_is_a_view_of_the_same_format_and_shape() -> None:
+    view = memoryview(bytes(range(16))).cast("h", (2, 4))
+    ending = run_fn(returns, 0, ({"view": view},), "asyncio")
+    assert (ending.kind, ending.status) == (Kind.RETURNED, 0)
+    back = frame_value(ending)["view"]  # type: ignore[index]
+    assert (back.format, back.shape, back.readonly, back.tobytes()) == (
+        "h",
+        (2, 4),
+        True,
+        view.tobytes(),
+    )
+
+
 def test_a_payload_is_unpickled_as_part_of_fn() -> None:
     ending = run_fn(unpickle_in_rank(pickle.dumps((returns, (5,)))), 0, (), "asyncio")
     assert (ending.kind, frame_value(ending)) == (Kind.RETURNED, 5)
