@@ -234,6 +234,22 @@ def pickle_body(obj: Any, large: list[memoryview] | None) -> bytes:
         return pickle_with_views(obj, large)
 
 
+def dumps_whole(obj: Any) -> bytes:
+    """``obj`` pickled whole (protocol 5, every buffer in band), a ``memoryview`` in it too.
+
+    Plain pickle first; the view-aware pickler only once plain pickle has
+    refused (see :func:`pickler`).
+
+    Raises:
+        BaseException: Whatever pickling ``obj`` raised (an object that cannot
+            be pickled fails twice, with the same error).
+    """
+    try:
+        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    except TypeError:
+        return pickle_with_views(obj, None)
+
+
 def pickle_with_views(obj: Any, large: list[memoryview] | None) -> bytes:
     """Pickle ``obj`` with :func:`pickler`'s ``views``: a memoryview pickles too.
 

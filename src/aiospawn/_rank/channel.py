@@ -78,11 +78,7 @@ def encode(obj: Any) -> bytes:
         ValueError: Its pickle is larger than a frame carries.
     """
     try:
-        try:
-            payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        except TypeError:
-            # Perhaps a memoryview, which plain pickle refuses: again, with views.
-            payload = buffers.pickle_with_views(obj, None)
+        payload = buffers.dumps_whole(obj)
     except BaseException as exc:  # a __reduce__ may raise SystemExit: still obj's error
         error = TypeError(f"cannot send {type(obj).__qualname__} over the channel: {_raised(exc)}")
         raise error from exc

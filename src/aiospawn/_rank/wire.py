@@ -31,7 +31,7 @@ import pickle
 import signal
 import struct
 
-from .buffers import TOKEN, Mapped, pickle_with_views
+from .buffers import TOKEN, Mapped, dumps_whole
 
 # For the checker only: a rank never imports typing (the package's import rule).
 TYPE_CHECKING = False
@@ -236,11 +236,7 @@ def encode_value(value: Any) -> Outcome:
     buffers stay in the frame.
     """
     try:
-        try:
-            payload = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-        except TypeError:
-            # Perhaps a memoryview, which plain pickle refuses: again, with views.
-            payload = pickle_with_views(value, None)
+        payload = dumps_whole(value)
     except BaseException as exc:  # a __reduce__ may raise SystemExit: still this frame
         error = TypeError(f"the value returned by the rank cannot be pickled: {describe(exc)}")
         error.__cause__ = exc
