@@ -610,79 +610,104 @@ def test_the_board_refuses_foreign_tokens_and_signals_and_prunes_its_queues(
     assert board.keys("secret") == []
 
 
+@contextlib.contextmanager
+def board_in_this_process(token: str) -> Iterator[Any]:
+    """A group's board as a plain object, its listening thread ended on exit.
+
+    A Ray board's thread ends with its actor's process; here it would outlive
+    the test, blocked in ``accept()``, in every later test of this process.
+    """
+    import socket
+    import threading
+
+    from aiospawn.ray import _board
+
+    board = _board.SignalBoard(token)
+    try:
+        yield board
+    finally:
+        listener = board._listener
+        if listener is not None:
+            listener.shutdown(socket.SHUT_RDWR)  # wakes accept(), which then returns
+            listener.close()
+        for thread in threading.enumerate():
+            if thread.name == "aiospawn-board":
+                thread.join(10)
+
+
 def test_the_board_takes_channels_with_the_groups_token_only() -> None:
     # The board's socket, without a cluster: a rank's end connects as in run().
     import socket
 
     from aiospawn.ray import _board, _relay
 
-    board = _board.SignalBoard("secret")
-    address = board.address("secret")
-    # A connection without the token is closed; its attempt gets nothing.
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as stranger:
-        stranger.connect(address)
-        stranger.sendall(b"guess 0.0\n")
-        assert stranger.recv(16) == b""
-    rank = socket.socket(fileno=_relay.connect(address, "secret", "0.0"))
-    with rank:
-        assert board.deliver(b"secret 0.0 0 0\nhello") == _board.WRITTEN
-        assert rank.recv(16) == b"hello"
-        rank.sendall(b"world")
-        assert board.collect("secret 0.0 10") == _board.GOING + b"world"
-        # A delivery that polls brings the rank's answer back.
-        with ThreadPoolExecutor(1) as pool:
-            polled = pool.submit(board.deliver, b"secret 0.0 1 10\nping")
-            assert rank.recv(16) == b"ping"
-            rank.sendall(b"pong")
-            assert polled.result(10) == _board.WRITTEN + _board.GOING + b"pong"
-        # A rank blocked sending, which does not read: a delivery that polls
-        # waits neither for its turn (behind a piece the rank does not take)
-        # nor for room in the socket; it reads what the rank sent, and the
-        # pieces are written in order once the rank reads again.
-        rank.setblocking(False)
-        sent = 0
-        with contextlib.suppress(BlockingIOError):
-            while True:
-                sent += rank.send(bytes(65536))
-        rank.setblocking(True)
-        big = bytes(range(256)) * 4096
-        # Not `with`: a delivery that waited forever would hang its exit.
-        pool = ThreadPoolExecutor(2)
-        try:
-            blocked = pool.submit(board.deliver, b"secret 0.0 2 0\n" + big)
-            polled = pool.submit(board.deliver, b"secret 0.0 3 10\n" + big[::-1])
-            # Within the deadlock tripwire: a delivery that waited would wait forever.
-            answer = polled.result(10)
-            assert answer[:2] == _board.WRITTEN + _board.GOING
-            got = len(answer) - 2
-            while got < sent:  # the rest of what the rank sent, read
-                got += len(board.collect("secret 0.0 10")) - 1
-            assert got == sent
-            received = bytearray()
-            while len(received) < 2 * len(big):
-                received += rank.recv(2 * len(big) - len(received))
-            assert received == big + big[::-1]
-            assert blocked.result(10) == _board.WRITTEN
-        finally:
-            pool.shutdown(wait=False)
-        # Pieces are written in their order, whatever order the calls start in.
-        with ThreadPoolExecutor(2) as pool:
-            later = pool.submit(board.deliver, b"secret 0.0 5 0\n!")
-            assert board.deliver(b"secret 0.0 4 0\nagain") == _board.WRITTEN
-            assert later.result(10) == _board.WRITTEN
-        received = b""
-        while len(received) < 6:
-            received += rank.recv(16)
-        assert received == b"again!"
-        board.release("secret", "0.0")
-        # The rank's end sees the end of the stream, and nothing more is taken.
-        assert rank.recv(16) == b""
-        assert board.deliver(b"secret 0.0 6 0\nlate") == _board.NOT_WRITTEN
-        assert board.collect("secret 0.0 0") == _board.ENDED
-    # A rank that ends before it connects ends its stream at once.
-    board.finished("secret", "1.0")
-    assert board.collect("secret 1.0 10") == _board.ENDED
-    assert board.deliver(b"secret 1.0 0 0\nlost") == _board.NOT_WRITTEN
+    with board_in_this_process("secret") as board:
+        address = board.address("secret")
+        # A connection without the token is closed; its attempt gets nothing.
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as stranger:
+            stranger.connect(address)
+            stranger.sendall(b"guess 0.0\n")
+            assert stranger.recv(16) == b""
+        rank = socket.socket(fileno=_relay.connect(address, "secret", "0.0"))
+        with rank:
+            assert board.deliver(b"secret 0.0 0 0\nhello") == _board.WRITTEN
+            assert rank.recv(16) == b"hello"
+            rank.sendall(b"world")
+            assert board.collect("secret 0.0 10") == _board.GOING + b"world"
+            # A delivery that polls brings the rank's answer back.
+            with ThreadPoolExecutor(1) as pool:
+                polled = pool.submit(board.deliver, b"secret 0.0 1 10\nping")
+                assert rank.recv(16) == b"ping"
+                rank.sendall(b"pong")
+                assert polled.result(10) == _board.WRITTEN + _board.GOING + b"pong"
+            # A rank blocked sending, which does not read: a delivery that polls
+            # waits neither for its turn (behind a piece the rank does not take)
+            # nor for room in the socket; it reads what the rank sent, and the
+            # pieces are written in order once the rank reads again.
+            rank.setblocking(False)
+            sent = 0
+            with contextlib.suppress(BlockingIOError):
+                while True:
+                    sent += rank.send(bytes(65536))
+            rank.setblocking(True)
+            big = bytes(range(256)) * 4096
+            # Not `with`: a delivery that waited forever would hang its exit.
+            pool = ThreadPoolExecutor(2)
+            try:
+                blocked = pool.submit(board.deliver, b"secret 0.0 2 0\n" + big)
+                polled = pool.submit(board.deliver, b"secret 0.0 3 10\n" + big[::-1])
+                # Within the deadlock tripwire: a delivery that waited would wait forever.
+                answer = polled.result(10)
+                assert answer[:2] == _board.WRITTEN + _board.GOING
+                got = len(answer) - 2
+                while got < sent:  # the rest of what the rank sent, read
+                    got += len(board.collect("secret 0.0 10")) - 1
+                assert got == sent
+                received = bytearray()
+                while len(received) < 2 * len(big):
+                    received += rank.recv(2 * len(big) - len(received))
+                assert received == big + big[::-1]
+                assert blocked.result(10) == _board.WRITTEN
+            finally:
+                pool.shutdown(wait=False)
+            # Pieces are written in their order, whatever order the calls start in.
+            with ThreadPoolExecutor(2) as pool:
+                later = pool.submit(board.deliver, b"secret 0.0 5 0\n!")
+                assert board.deliver(b"secret 0.0 4 0\nagain") == _board.WRITTEN
+                assert later.result(10) == _board.WRITTEN
+            received = b""
+            while len(received) < 6:
+                received += rank.recv(16)
+            assert received == b"again!"
+            board.release("secret", "0.0")
+            # The rank's end sees the end of the stream, and nothing more is taken.
+            assert rank.recv(16) == b""
+            assert board.deliver(b"secret 0.0 6 0\nlate") == _board.NOT_WRITTEN
+            assert board.collect("secret 0.0 0") == _board.ENDED
+        # A rank that ends before it connects ends its stream at once.
+        board.finished("secret", "1.0")
+        assert board.collect("secret 1.0 10") == _board.ENDED
+        assert board.deliver(b"secret 1.0 0 0\nlost") == _board.NOT_WRITTEN
 
 
 # ------------------------------------------------------------------ live ranks
