@@ -6,8 +6,8 @@ again (``forked``, a ``fork`` rank's hygiene, is not among them: no
 ``forkserver`` rank runs it); ``multiprocessing.popen_forkserver``, which
 every rank's arguments name (the descriptors passed to it, its result pipe
 and channel, are its ``_DupFd`` objects), so that unpickling them imports
-nothing (about 0.3 ms of each rank's CPU before ``fn``); then the server's heap is frozen
-(``gc.freeze``), as a warm template's is: what the
+nothing (about 0.3 ms of each rank's CPU before ``fn``). Then the server's
+heap is frozen (``gc.freeze``), as a warm template's is: what the
 server imported is never freed, and a rank's collections would otherwise
 walk those objects, which writes to every page that holds one, so each rank
 copied pages it could have shared. Imported by the fork server alone (see
