@@ -8,18 +8,22 @@ command-line checks at the top start nothing and need no torch.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ParamSpec
 
+import psutil
 import pytest
 
 from aiospawn._cli._rendezvous import LOST_AFTER
@@ -32,6 +36,7 @@ from tests.cli_helpers import (
     launchers,
     program,
     run,
+    session_members,
     start,
 )
 from tests.helpers import is_gone, wait_until
@@ -181,6 +186,53 @@ def test_two_nodes_all_reduce_across_the_nodes(form: str, launchers: list[Launch
         assert env["ROLE_RANK"] == str(rank)
         assert int(env["GROUP_RANK"]) * 2 + int(env["LOCAL_RANK"]) == rank
         assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+
+
+@needs_torch
+def test_a_node_ends_as_a_program_ends_leaving_nothing(launchers: list[Launcher]) -> None:
+    # A node ends without the interpreter's finalization (a store call left in
+    # a thread could abort it there), but with a program's exit steps: here
+    # multiprocessing's finalizers remove the fork server's temp dir.
+    # A temp dir of the nodes' own, with a short path: the fork server's
+    # socket is made in it, and a socket's path holds 107 bytes.
+    tmp = Path(tempfile.mkdtemp(prefix="nodes-", dir="/tmp"))
+    try:
+        env = environ(TMPDIR=str(tmp))
+        port = free_port()
+        nodes = [
+            start(
+                launchers,
+                "run",
+                *static(port, node),
+                "--start-method",
+                "forkserver",
+                "-n",
+                "2",
+                JOB,
+                env=env,
+            )
+            for node in range(2)
+        ]
+        for node in nodes:
+            status, _, err = node.finish()
+            assert status == 0, err
+        assert sorted(path.name for path in tmp.iterdir()) == []
+        assert wait_until(
+            lambda: not alive([p for n in nodes for p in session_members(n.proc.pid)]), 10
+        )
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def alive(pids: list[int]) -> list[list[str]]:
+    """The command lines of the processes of ``pids`` that have not exited."""
+    found = []
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process = psutil.Process(pid)
+            if process.status() != psutil.STATUS_ZOMBIE:
+                found.append(process.cmdline())
+    return found
 
 
 def torchrun_environments(form: str, run_id: str, tmp: Path) -> dict[int, dict[str, str]]:

@@ -35,10 +35,9 @@ multi-node path. Nothing imports it but ``aiospawn.__main__`` and the
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import sys
+import traceback
 from typing import TYPE_CHECKING, NoReturn
 
 if TYPE_CHECKING:
@@ -93,29 +92,41 @@ def main(argv: Sequence[str] | None = None) -> int:
             # One node of several: torch's rendezvous is imported on this path only.
             from ._rounds import supervise_nodes
 
-            end_at_once(anyio.run(supervise_nodes, plan, backend="asyncio"))
+            status = 1
+            try:
+                status = anyio.run(supervise_nodes, plan, backend="asyncio")
+            except KeyboardInterrupt:  # before the signal handlers were in place
+                status = 130
+            except Exception:
+                traceback.print_exc()
+            end_at_once(status)
         return anyio.run(supervise, plan, backend="asyncio")
     except KeyboardInterrupt:  # Ctrl-C before the signal handlers were in place
         return 130
 
 
 def end_at_once(status: int) -> NoReturn:
-    """Flush what the launcher wrote, then end the process with ``status``, skipping finalization.
+    """End the launcher of a node with ``status`` as a rank ends (``aiospawn._rank.ending``).
 
-    A call to torch's rendezvous store that the launcher stopped waiting for
-    (:func:`._rounds.off_loop` leaves it in a daemon thread) may return while
-    the interpreter finalizes. Its thread then exits inside torch's C++ code,
-    which aborts the process (SIGABRT, "terminate called without an active
-    exception") after the job's report, and the node's status is lost. By
-    this point the ranks are reaped and the error files removed: the
-    finalization has nothing left to do that the launcher needs, as a rank's
-    has not once its result is sent.
+    Python's exit steps run (the atexit handlers, which stop warm templates,
+    ``multiprocessing``'s finalizers, which remove a fork server's temp dir,
+    the streams flushed), not the interpreter's finalization. A call to
+    torch's rendezvous store that the launcher stopped waiting for
+    (:func:`._rounds.off_loop` leaves it in a daemon thread) may return during
+    the finalization; its thread then exits inside torch's C++ code, which
+    aborts the process (SIGABRT, "terminate called without an active
+    exception") after the job's report, and the node's status is lost.
+
+    Args:
+        status: The launcher's exit status.
+
+    Cancellation:
+        A Ctrl-C during the exit steps is printed and the next step runs;
+        the process still ends with ``status``.
     """
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):  # a closed pipe: nothing more can be said
-            stream.flush()
-    os._exit(status)
+    from aiospawn._rank.ending import end
+
+    end(status)
 
 
 class _EveryLinePrefixed(logging.Formatter):
@@ -131,7 +142,7 @@ class _EveryLinePrefixed(logging.Formatter):
         self._prefix = prefix
 
     def format(self, record: logging.LogRecord) -> str:
-        return "\n".join(self._prefix + line for line in super().format(record).splitlines())
+        return "\n".join(self._prefix + line for line in super().format(record).split("\n"))
 
 
 def _log_to_stderr(prefix: str, *, verbose: bool) -> None:

@@ -52,7 +52,7 @@ finalization, where extension libraries' C++ static destructors may abort a
 rank whose ``fn`` has finished. So every rank runs Python's exit steps
 itself (non-daemon threads joined, the atexit handlers registered in the
 rank, ``multiprocessing``'s finalizers, stdio flushed) and ends with
-``os._exit`` (see :func:`_exit_steps`): a rank that finished reads as
+``os._exit`` (see ``ending``): a rank that finished reads as
 finished. Not run: the interpreter's finalization (``__del__`` of what is
 still alive, module teardown) and C-level exit handlers. The status is one
 the kernel keeps as it is (0 to 255).
@@ -73,7 +73,7 @@ import os
 import sys
 import time
 
-from . import api, descendants
+from . import api, descendants, ending
 from .fds import identity, move_high
 from .outcome import die_of_sigterm, run_fn
 
@@ -166,65 +166,18 @@ class _ResultPipe:
 
 
 def _end(status: int) -> NoReturn:
-    """End the rank with ``status`` once Python's exit steps have run (see :func:`_exit_steps`).
+    """End the rank with ``status`` once Python's exit steps have run (see ``ending``).
 
     Never by returning into ``multiprocessing``: under ``fork`` and
     ``forkserver`` its caller is a copy of the supervisor or of the fork
     server, and under ``spawn`` a return ends in the interpreter's
     finalization, where C++ static destructors of extension libraries may
     abort a rank whose ``fn`` has finished (reported of two-rank gloo DDP
-    jobs with torch 2.13).
+    jobs with torch 2.13). The atexit handlers that run are those registered
+    in the rank: the inherited ones were dropped at its start (see
+    ``process.prepare``).
     """
-    try:
-        _exit_steps()
-    finally:
-        os._exit(status)
-
-
-def _exit_steps() -> None:
-    """What a Python program runs at its end, short of the interpreter's finalization.
-
-    In the order Python runs them: the wait for non-daemon threads, then the
-    atexit handlers registered in the rank (the inherited ones were dropped
-    at its start, see ``process.prepare``), then ``multiprocessing``'s exit
-    function, which a rank's ``multiprocessing`` child runs at its end (its
-    finalizers: a Queue's feeder thread flushes what was put; its children
-    are joined), then the streams are flushed: ``sys.stdout`` and
-    ``sys.stderr`` (and the originals, ``sys.__stdout__`` and
-    ``sys.__stderr__``), and the C library's, when ``ctypes`` is loaded. A step
-    that raises is printed, as Python prints it, and the next one runs.
-    """
-    import atexit
-    import threading
-    from multiprocessing import util
-
-    steps = (
-        threading._shutdown,  # type: ignore[attr-defined]
-        atexit._run_exitfuncs,  # prints what a handler raises, and goes on
-        util._exit_function,  # type: ignore[attr-defined]
-    )
-    for step in steps:
-        try:
-            step()
-        except BaseException:
-            with contextlib.suppress(BaseException):
-                import traceback
-
-                traceback.print_exc()
-    # The original streams too: code that replaced sys.stdout (a fork rank of
-    # a program that captures its output) leaves them in use, unflushed.
-    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
-        with contextlib.suppress(BaseException):
-            if stream is not None:
-                stream.flush()
-    ctypes = sys.modules.get("ctypes")
-    if ctypes is not None:
-        # What a C extension printed with stdio and left in its buffer (a
-        # pipe or a file is fully buffered): exit(3) would flush it, _exit(2)
-        # does not. Only when ctypes is loaded already: importing it would
-        # cost every rank's end a few milliseconds.
-        with contextlib.suppress(BaseException):
-            ctypes.CDLL(None).fflush(None)
+    ending.end(status)
 
 
 def _say(line: str) -> None:
