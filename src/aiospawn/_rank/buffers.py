@@ -247,7 +247,8 @@ def dumps_whole(obj: Any) -> bytes:
     try:
         return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     except TypeError:
-        return pickle_with_views(obj, None)
+        pass  # perhaps a memoryview; retried outside, so that a second error stands alone
+    return pickle_with_views(obj, None)
 
 
 def pickle_with_views(obj: Any, large: list[memoryview] | None) -> bytes:

@@ -42,14 +42,20 @@ def reduce_view(view: memoryview) -> tuple[Any, tuple[Any, ...]]:
     """``(rebuild_view, args)`` for ``view``.
 
     Raises:
-        TypeError: Its format is not one of struct's native single
-            characters (a numpy structured dtype's, for one), which the
-            receiver could not rebuild: send the object it views instead.
+        TypeError: The receiver could not rebuild it: its format is not one
+            of struct's native single characters (a numpy structured dtype's,
+            for one), or it is empty with more than one dimension (a cast
+            takes no shape with a zero). Pass the object it views instead.
     """
     if view.format.removeprefix("@") not in _FORMATS:
         raise TypeError(
-            f"cannot send a memoryview of format {view.format!r}: send the object it views"
+            f"cannot pickle a memoryview of format {view.format!r}: pass the object it views"
             " (such as the numpy array), or view.cast('B')"
+        )
+    if view.ndim > 1 and 0 in (view.shape or ()):
+        raise TypeError(
+            f"cannot pickle an empty memoryview of shape {view.shape}: pass the object it"
+            " views (such as the numpy array)"
         )
     if view.c_contiguous:
         data: Any = pickle.PickleBuffer(view)
@@ -62,8 +68,15 @@ def rebuild_view(data: Any, format: str, shape: tuple[int, ...], readonly: bool)
     """The receiver's ``memoryview``: over the buffer that came, as the sender's was."""
     view = memoryview(data)
     if view.format != format or view.shape != shape:
-        # typeshed knows each format by its literal alone; it was checked when sent.
-        view = view.cast("B").cast(format, shape)  # type: ignore[call-overload]
+        # typeshed knows each format by its literal alone; it was checked when
+        # sent. An empty view is one-dimensional (others were refused): a cast
+        # takes no shape with a zero in it.
+        flat = view.cast("B")
+        view = (
+            flat.cast(format)  # type: ignore[call-overload]
+            if 0 in shape
+            else flat.cast(format, shape)  # type: ignore[call-overload]
+        )
     if readonly and not view.readonly:
         view = view.toreadonly()
     return view

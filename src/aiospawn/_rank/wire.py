@@ -27,11 +27,13 @@ Part of the rank-side package: standard library only.
 
 from __future__ import annotations
 
+import io
 import pickle
 import signal
 import struct
 
-from .buffers import TOKEN, Mapped, dumps_whole
+from .buffers import TOKEN, Mapped
+from .views import dispatch_table
 
 # For the checker only: a rank never imports typing (the package's import rule).
 TYPE_CHECKING = False
@@ -233,10 +235,17 @@ def encode_value(value: Any) -> Outcome:
     """The frame of a returned value, or of the TypeError if it cannot be pickled.
 
     A value may hold a ``memoryview``, as a message may (see ``views``); its
-    buffers stay in the frame.
+    buffers stay in the frame. Pickled once, with the view reducer in the
+    pickler's table from the start: a result is pickled once per rank, so
+    the table's cost does not count, and a value that cannot be pickled is
+    not pickled twice.
     """
     try:
-        payload = dumps_whole(value)
+        out = io.BytesIO()
+        pickler = pickle.Pickler(out, protocol=pickle.HIGHEST_PROTOCOL)
+        pickler.dispatch_table = dispatch_table()
+        pickler.dump(value)
+        payload = out.getvalue()
     except BaseException as exc:  # a __reduce__ may raise SystemExit: still this frame
         error = TypeError(f"the value returned by the rank cannot be pickled: {describe(exc)}")
         error.__cause__ = exc

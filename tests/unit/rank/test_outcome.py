@@ -7,6 +7,7 @@ what only a real rank shows (exit codes, the supervisor's exceptions) is in
 
 from __future__ import annotations
 
+import array
 import os
 import pickle
 import signal
@@ -148,6 +149,28 @@ def test_a_returned_memoryview_is_a_view_of_the_same_format_and_shape() -> None:
         True,
         view.tobytes(),
     )
+
+
+def test_an_empty_memoryview_result_comes_back_empty() -> None:
+    # A cast takes no shape with a zero in it: the receiver rebuilds it otherwise.
+    for empty in (memoryview(array.array("i")), memoryview(bytes(8)).cast("i")[1:1]):
+        back = frame_value(run_fn(returns, 0, (empty,), "asyncio"))
+        assert (back.format, back.shape, back.tobytes()) == ("i", (0,), b"")  # type: ignore[attr-defined]
+
+
+def test_a_result_that_cannot_be_pickled_is_pickled_once_and_its_error_stands_alone() -> None:
+    calls = []
+
+    class Counted:
+        def __reduce__(self) -> tuple[object, ...]:
+            calls.append(1)
+            raise TypeError("cannot pickle Counted")
+
+    ending = run_fn(returns, 0, (Counted(),), "asyncio")
+    assert (ending.kind, ending.status, len(calls)) == (Kind.RAISED, 1, 1)
+    exc, _, text = raised(ending)
+    assert "cannot pickle Counted" in str(exc)
+    assert "During handling of the above exception" not in text, text
 
 
 def test_a_payload_is_unpickled_as_part_of_fn() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import pickle
 import re
 import threading
@@ -40,6 +41,9 @@ VIEWS = {
     "strided": memoryview(bytearray(range(200)))[::3],
     "large": memoryview(bytearray(b"\x05") * (2 * MiB)),
     "large, read-only": memoryview(bytes(2 * MiB)),
+    "empty": memoryview(bytearray()),
+    "empty ints": memoryview(array.array("i")),
+    "empty, strided": memoryview(bytearray(range(10)))[5:5:2],
 }
 
 
@@ -65,11 +69,18 @@ def test_a_large_view_goes_out_of_band() -> None:
 def test_a_view_of_a_format_the_receiver_could_not_rebuild_is_refused() -> None:
     np = pytest.importorskip("numpy", reason="numpy (the test extra) makes such views")
     assert through_pickle_body(memoryview(bytearray(8)).cast("c")).format == "c"
-    for array in (np.zeros(4, dtype=np.float16), np.zeros(2, dtype=[("a", "i4")])):
-        view = memoryview(array)
-        wanted = re.escape(f"cannot send a memoryview of format {view.format!r}")
+    for made in (np.zeros(4, dtype=np.float16), np.zeros(2, dtype=[("a", "i4")])):
+        view = memoryview(made)
+        wanted = re.escape(f"cannot pickle a memoryview of format {view.format!r}")
         with pytest.raises(TypeError, match=wanted):
             buffers.pickle_body(view, None)
+
+
+def test_an_empty_view_of_several_dimensions_is_refused() -> None:
+    np = pytest.importorskip("numpy", reason="numpy (the test extra) makes such views")
+    view = memoryview(np.zeros((0, 3), dtype=np.int32))
+    with pytest.raises(TypeError, match=re.escape("empty memoryview of shape (0, 3)")):
+        buffers.pickle_body(view, None)
 
 
 def test_an_object_pickle_refuses_fails_with_pickles_own_error() -> None:
