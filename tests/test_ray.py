@@ -633,6 +633,7 @@ def board_in_this_process(token: str) -> Iterator[Any]:
         for thread in threading.enumerate():
             if thread.name == "aiospawn-board":
                 thread.join(10)
+                assert not thread.is_alive(), "the board's accepting thread did not end"
 
 
 def test_the_board_takes_channels_with_the_groups_token_only() -> None:

@@ -18,8 +18,13 @@ that forks, and importing this module anywhere else would freeze that process.
 
 from __future__ import annotations
 
+import contextlib
 import gc
-from multiprocessing import popen_forkserver as popen_forkserver
+
+# Never the reason the rest is not preloaded: the fork server drops a module
+# whose import fails, and this one holds the bootstrap and the freeze.
+with contextlib.suppress(ImportError):
+    from multiprocessing import popen_forkserver as popen_forkserver
 
 from . import async_channel as async_channel
 from . import async_main as async_main
