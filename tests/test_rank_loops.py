@@ -54,6 +54,7 @@ PLAIN_RANK = [
     "aiospawn._rank.buffers",
     "aiospawn._rank.channel",
     "aiospawn._rank.descendants",
+    "aiospawn._rank.ending",
     "aiospawn._rank.fds",
     "aiospawn._rank.frames",
     "aiospawn._rank.guard",
@@ -63,6 +64,7 @@ PLAIN_RANK = [
     "aiospawn._rank.reader",
     "aiospawn._rank.stream",
     "aiospawn._rank.tensors",
+    "aiospawn._rank.views",
     "aiospawn._rank.wire",
 ]
 
