@@ -110,7 +110,9 @@ def end_at_once(status: int) -> NoReturn:
 
     Python's exit steps run (the atexit handlers, which stop warm templates,
     ``multiprocessing``'s finalizers, which remove a fork server's temp dir,
-    the streams flushed), not the interpreter's finalization. A call to
+    the streams flushed), not the interpreter's finalization. Its threads are
+    not waited for: none of them runs a user's code, so none has a user's
+    work to finish. A call to
     torch's rendezvous store that the launcher stopped waiting for
     (:func:`._rounds.off_loop` leaves it in a daemon thread) may return during
     the finalization; its thread then exits inside torch's C++ code, which
@@ -126,7 +128,7 @@ def end_at_once(status: int) -> NoReturn:
     """
     from aiospawn._rank.ending import end
 
-    end(status)
+    end(status, join_threads=False)
 
 
 class _EveryLinePrefixed(logging.Formatter):

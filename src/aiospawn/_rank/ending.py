@@ -26,35 +26,40 @@ if TYPE_CHECKING:
     from typing import NoReturn
 
 
-def end(status: int) -> NoReturn:
+def end(status: int, *, join_threads: bool = True) -> NoReturn:
     """Run :func:`exit_steps`, then end the process with ``status``, whatever they raised.
+
+    Args:
+        status: The exit status.
+        join_threads: Wait for the non-daemon threads first, as Python does;
+            the launcher, which runs no code of a user's, does not.
 
     Cancellation:
         A ``KeyboardInterrupt`` during the steps is printed with the step's
         error and the next step runs; the process still ends with ``status``.
     """
     try:
-        exit_steps()
+        exit_steps(join_threads=join_threads)
     finally:
         os._exit(status)
 
 
-def exit_steps() -> None:
+def exit_steps(*, join_threads: bool = True) -> None:
     """What a Python program runs at its end, short of the interpreter's finalization.
 
-    In the order Python runs them: the wait for non-daemon threads, then the
-    atexit handlers, then ``multiprocessing``'s exit function, then the
-    streams are flushed: ``sys.stdout`` and ``sys.stderr`` (and the originals,
-    ``sys.__stdout__`` and ``sys.__stderr__``), and the C library's, when
-    ``ctypes`` is loaded. A step that raises is printed, as Python prints it,
-    and the next one runs.
+    In the order Python runs them: the wait for non-daemon threads (with
+    ``join_threads``), then the atexit handlers, then ``multiprocessing``'s
+    exit function, then the streams are flushed: ``sys.stdout`` and
+    ``sys.stderr`` (and the originals, ``sys.__stdout__`` and
+    ``sys.__stderr__``), and the C library's, when ``ctypes`` is loaded. A
+    step that raises is printed, as Python prints it, and the next one runs.
     """
     import atexit
     import threading
     from multiprocessing import util
 
     steps = (
-        threading._shutdown,  # type: ignore[attr-defined]
+        *((threading._shutdown,) if join_threads else ()),  # type: ignore[attr-defined]
         atexit._run_exitfuncs,  # prints what a handler raises, and goes on
         util._exit_function,  # type: ignore[attr-defined]
     )
