@@ -39,10 +39,8 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 
-from harness import trial_environment
+from harness import run_trial
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -138,17 +136,10 @@ print(json.dumps({"groups": groups_out, "file": aiospawn.__file__}))
 
 def trial(args: argparse.Namespace, peer: str, method: str, src: str | None) -> dict[str, object]:
     """One fresh interpreter; its groups' figures."""
-    env = trial_environment(src)
-    command = [sys.executable, "-c", TRIAL, peer, method, str(args.nprocs), str(args.groups)]
-    command += ["1" if args.ticker else "0", "asyncio" if args.asyncio_run else "anyio"]
-    if args.nice:
-        command = ["nice", "-n", str(args.nice), *command]
-    done = subprocess.run(
-        command, cwd=HERE, env=env, capture_output=True, text=True, timeout=600, check=False
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"trial {peer} {method} failed:\n{done.stderr}")
-    result: dict[str, object] = json.loads(done.stdout.splitlines()[-1])
+    args_ = [peer, method, str(args.nprocs), str(args.groups)]
+    args_ += ["1" if args.ticker else "0", "asyncio" if args.asyncio_run else "anyio"]
+    prefix = ["nice", "-n", str(args.nice)] if args.nice else []
+    result: dict[str, object] = run_trial(TRIAL, *args_, src=src, prefix=prefix)
     if src is not None and not str(result["file"]).startswith(os.path.abspath(src)):
         raise RuntimeError(f"trial imported {result['file']}, not the checkout {src}")
     return result

@@ -27,13 +27,10 @@ The reading of one run is in ``results.md`` ("Where the first call's worst gap g
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
-import sys
 
-from harness import trial_environment
+from harness import run_trial
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -99,18 +96,7 @@ print(json.dumps(anyio.run(main)))
 
 def trial(method: str, groups: int) -> list[dict[str, object]]:
     """One fresh interpreter; each group's worst gap and the threads' CPU in it."""
-    done = subprocess.run(
-        [sys.executable, "-c", TRIAL, method, str(groups)],
-        cwd=HERE,
-        env=trial_environment(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"trial failed:\n{done.stderr}")
-    result: list[dict[str, object]] = json.loads(done.stdout.splitlines()[-1])
+    result: list[dict[str, object]] = run_trial(TRIAL, method, str(groups))
     return result
 
 

@@ -29,13 +29,10 @@ server, without aiospawn's preload). The clock of ``/proc`` counts in ticks
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
-import sys
 
-from harness import trial_environment
+from harness import run_trial
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -109,20 +106,9 @@ COLUMNS = [
 
 def trial(args: argparse.Namespace, peer: str) -> dict[str, float]:
     """One fresh interpreter; the means of its timed groups."""
-    command = [sys.executable, "-c", TRIAL, peer, str(args.nprocs), str(args.warm)]
-    command.append(str(args.groups))
-    done = subprocess.run(
-        command,
-        cwd=HERE,
-        env=trial_environment(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
+    result: dict[str, float] = run_trial(
+        TRIAL, peer, str(args.nprocs), str(args.warm), str(args.groups)
     )
-    if done.returncode != 0:
-        raise RuntimeError(f"trial {peer} failed:\n{done.stderr}")
-    result: dict[str, float] = json.loads(done.stdout.splitlines()[-1])
     return result
 
 

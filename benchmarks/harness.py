@@ -20,7 +20,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -369,3 +369,30 @@ def trial_environment(src: str | None = None) -> dict[str, str]:
     env["PYTHONPYCACHEPREFIX"] = os.path.join(here, ".cache", "pycache")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, here, env.get("PYTHONPATH")]))
     return env
+
+
+def run_trial(program: str, *args: str, src: str | None = None, prefix: Sequence[str] = ()) -> Any:
+    """A fresh interpreter runs ``program`` (``python -c``) with ``args``; its last line, as JSON.
+
+    In :func:`trial_environment` (``src`` first on ``PYTHONPATH``), from this
+    directory; ``prefix`` goes before the interpreter (``nice -n 10``).
+
+    Raises:
+        RuntimeError: The trial failed; its stderr is in the message.
+    """
+    import json
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    done = subprocess.run(
+        [*prefix, sys.executable, "-c", program, *args],
+        cwd=here,
+        env=trial_environment(src),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"trial {' '.join(args)} failed:\n{done.stderr}")
+    return json.loads(done.stdout.splitlines()[-1])
