@@ -35,7 +35,7 @@ import pytest
 
 import aiospawn
 from aiospawn import ProcessExitedException, ProcessRaisedException
-from tests import ray_ranks
+from tests import ray_ranks, shm_ranks
 from tests.helpers import send_storm, tripwire, wait_until
 
 ray = pytest.importorskip("ray")
@@ -1113,6 +1113,32 @@ async def test_numpy_and_torch_payloads_of_every_size_go_both_ways(cluster: Loca
                         assert echoed.flags.f_contiguous == sent.flags.f_contiguous
                     else:
                         assert torch.equal(echoed, sent)
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_ray_rank_returns_memoryviews(cluster: LocalCluster) -> None:
+    # Ray's ranks encode their result as local ranks do: a view they received
+    # (Ray sends buffers in-band, so a view arrives as a view, not as a
+    # mapping) and views of their own come back as views; a view of a format
+    # no receiver could rebuild fails the rank, saying why.
+    large = memoryview(bytes(range(256)) * (8 * 1024))
+    with tripwire(120, "memoryviews returned by a Ray rank"):
+        async with aiospawn.open_group(
+            shm_ranks.return_views, nprocs=1, backend=backend_for(cluster)
+        ) as ctx:
+            await ctx.channel(0).send(large)
+            assert await ctx.join()
+            [[received, own, grid]] = ctx.results
+        assert isinstance(received, memoryview)
+        assert received.tobytes() == large.tobytes()
+        assert received.readonly
+        assert own.tobytes() == b"own" * 10
+        assert (grid.format, grid.shape, grid.tolist()) == ("i", (2, 3), [[0, 1, 2], [3, 4, 5]])
+        with pytest.raises(ProcessRaisedException) as failed:
+            await aiospawn.start_processes(
+                shm_ranks.return_record_view, nprocs=1, backend=backend_for(cluster)
+            )
+        assert "cannot pickle a memoryview of format" in str(failed.value)
 
 
 async def test_a_receive_cancelled_on_a_ray_rank_loses_nothing(cluster: LocalCluster) -> None:
