@@ -1,4 +1,4 @@
-"""Where a later ``forkserver`` group's time goes: each process's CPU, against plain mp.
+"""Where a ``forkserver`` group's time goes: each process's CPU, against plain mp.
 
 Issue 25 bounds a later ``forkserver`` group of 8 trivial ranks at 1.3x plain
 ``multiprocessing`` in the same kind of parent. On a machine with few cores
@@ -11,7 +11,9 @@ counts that CPU per later group, process by process:
   ``/proc/PID/stat``);
 * the ranks, which are the fork server's children, not ours (the server's
   ``cutime + cstime`` and ``cminflt``: the CPU and the page faults of the
-  ranks it has reaped).
+  ranks it has reaped);
+* ``multiprocessing``'s resource tracker, which the fork server's start
+  starts too (its own CPU).
 
 Each trial is a fresh interpreter (an ``anyio.run`` program that imported
 anyio and aiospawn, as in ``first_call.py``) that runs ``--warm`` groups
@@ -24,6 +26,14 @@ server, without aiospawn's preload). The clock of ``/proc`` counts in ticks
 1.5 s)::
 
     python benchmarks/group_cpu.py --rounds 6
+
+``--first`` times the first group of each fresh interpreter instead (no
+untimed group before it): the supervisor's CPU then holds its first call's
+imports, and the fork server's and the resource tracker's their start-up.
+One group is a few ticks, so the table gives the means over the trials there,
+not the medians::
+
+    python benchmarks/group_cpu.py --first --rounds 16
 """
 
 from __future__ import annotations
@@ -43,19 +53,31 @@ import workloads
 
 peer, nprocs, warm, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 import anyio, aiospawn
-import multiprocessing.forkserver
 
 TICK = os.sysconf("SC_CLK_TCK")
 
-def server():
-    pid = multiprocessing.forkserver._forkserver._forkserver_pid
+def stat(pid):
+    if pid is None:  # not started yet: before a first group
+        return [0] * 15
     with open(f"/proc/{pid}/stat") as stat:
         fields = stat.read().rsplit(")", 1)[1].split()
-    # After the command's name: minflt 7, cminflt 8, utime 11, stime 12, cutime 13, cstime 14.
+    # After the command's name: state 0, cminflt 8, utime 11, stime 12, cutime 13, cstime 14.
+    return [0, *(int(field) for field in fields[1:15])]
+
+def pid_of(module, holder, attribute):
+    # Read where the peer left it: importing the module here would import, before a
+    # first group, what that group's own start imports (multiprocessing.forkserver).
+    module = sys.modules.get(f"multiprocessing.{module}")
+    return getattr(getattr(module, holder, None), attribute, None)
+
+def server():
+    fields = stat(pid_of("forkserver", "_forkserver", "_forkserver_pid"))
+    tracker = stat(pid_of("resource_tracker", "_resource_tracker", "_pid"))
     return {
-        "server": (int(fields[11]) + int(fields[12])) / TICK,
-        "ranks": (int(fields[13]) + int(fields[14])) / TICK,
-        "rank_faults": int(fields[8]),
+        "server": (fields[11] + fields[12]) / TICK,
+        "ranks": (fields[13] + fields[14]) / TICK,
+        "rank_faults": fields[8],
+        "tracker": (tracker[11] + tracker[12]) / TICK,
     }
 
 def me():
@@ -87,6 +109,7 @@ async def main():
         for key in start:
             scale = 1 if key in ("switches", "rank_faults") else 1e3
             out[key] = (end[key] - start[key]) / count * scale
+    out["cpu"] = sum(out[key] for key in ("user", "sys", "server", "ranks", "tracker"))
     return out
 
 print(json.dumps(anyio.run(main)))
@@ -101,6 +124,8 @@ COLUMNS = [
     ("server", "fork server [ms]", False),
     ("ranks", "ranks, per rank [ms]", True),
     ("rank_faults", "page faults, per rank", True),
+    ("tracker", "resource tracker [ms]", False),
+    ("cpu", "every process's CPU [ms]", False),
 ]
 
 
@@ -113,13 +138,16 @@ def trial(args: argparse.Namespace, peer: str) -> dict[str, float]:
 
 
 def main() -> None:
-    """Run the peers' trials in alternation; print the medians as a Markdown table."""
+    """Run the peers' trials in alternation; print a Markdown table of their figures."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--nprocs", type=int, default=8)
     parser.add_argument("--warm", type=int, default=3)
     parser.add_argument("--groups", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--first", action="store_true", help="time each trial's first group")
     args = parser.parse_args()
+    if args.first:
+        args.warm, args.groups = 0, 1
     peers = ["aiospawn", "mp"]
     rows: dict[str, list[dict[str, float]]] = {peer: [] for peer in peers}
     loads = []
@@ -127,9 +155,11 @@ def main() -> None:
         for peer in peers if round_ % 2 == 0 else peers[::-1]:
             loads.append(os.getloadavg()[0])
             rows[peer].append(trial(args, peer))
-    medians = {
+    # One group is a few ticks of /proc's clock: its readings are averaged, not ranked.
+    summary = statistics.mean if args.first else statistics.median
+    figures = {
         peer: {
-            key: statistics.median(r[key] for r in results) / (args.nprocs if per_rank else 1)
+            key: summary(r[key] for r in results) / (args.nprocs if per_rank else 1)
             for key, _, per_rank in COLUMNS
         }
         for peer, results in rows.items()
@@ -137,16 +167,18 @@ def main() -> None:
     print("| | " + " | ".join(heading for _, heading, _ in COLUMNS) + " |")
     print("|---|" + "---:|" * len(COLUMNS))
     for peer in peers:
-        cells = [f"{medians[peer][key]:.1f}" for key, _, _ in COLUMNS]
+        cells = [f"{figures[peer][key]:.1f}" for key, _, _ in COLUMNS]
         print(f"| {peer} | " + " | ".join(cells) + " |")
     ratio = [
-        f"{medians['aiospawn'][key] / medians['mp'][key]:.2f}x" if medians["mp"][key] else "-"
+        f"{figures['aiospawn'][key] / figures['mp'][key]:.2f}x" if figures["mp"][key] else "-"
         for key, _, _ in COLUMNS
     ]
     print("| aiospawn / mp | " + " | ".join(ratio) + " |")
+    what = "means" if args.first else "medians"
     print(
-        f"\n{args.rounds} trials per peer, {args.groups} timed groups of {args.nprocs} ranks each"
-        f" after {args.warm} untimed; load average (1 min) {min(loads):.1f}-{max(loads):.1f}"
+        f"\n{what} of {args.rounds} trials per peer, {args.groups} timed groups of {args.nprocs}"
+        f" ranks each after {args.warm} untimed; load average (1 min)"
+        f" {min(loads):.1f}-{max(loads):.1f}"
     )
 
 
