@@ -18,7 +18,8 @@ seam it implements, and the checks every backend shares) and
 ``aiospawn._rank`` (the bootstrap it starts); never ``aiospawn.ray``,
 ``aiospawn._api``, ``aiospawn.sync`` or ``aiospawn._cli``. Nothing imports
 it but the public surface (``aiospawn._api``, ``aiospawn.sync``,
-``aiospawn._cli``). ``_backend``, ``_strategy`` (with ``_starters``),
+``aiospawn._cli``), and ``aiospawn._imports`` names its modules for a first
+call to import off the event loop. ``_backend``, ``_strategy`` (with ``_starters``),
 ``_limits`` and ``_pickling`` are light: the entry points use them before the supervisor's
 modules are imported.
 """

@@ -2,11 +2,13 @@
 
 Everything here runs before, around or beside the user's ``fn`` in every
 rank, so it imports the **standard library only**, and nothing of the
-supervisor (no anyio, no asyncio, nothing from ``aiospawn._core``,
-``aiospawn._local`` or ``aiospawn.ray``): a rank costs the interpreter plus
-the user's own imports. Not even ``typing`` (about 2 ms of a ``spawn``
-rank's start): the modules' annotations are for the checker only, under a
-module-level ``TYPE_CHECKING = False``. ``tests/test_public_api.py`` checks
+supervisor (no anyio, nothing from ``aiospawn._core``, ``aiospawn._local``
+or ``aiospawn.ray``), and no event loop either, but for the rank whose ``fn``
+is a coroutine function (``async_main`` and what it uses import asyncio or
+trio when it runs): a rank costs the interpreter plus the user's own
+imports. Not even ``typing`` (about 2 ms of a ``spawn`` rank's start): the
+modules' annotations are for the checker only, under a module-level
+``TYPE_CHECKING = False``. ``tests/test_public_api.py`` checks
 these rules in a clean interpreter.
 
 What a local rank runs, in order (a plain ``spawn`` rank imports these

@@ -237,8 +237,7 @@ def pickle_body(obj: Any, large: list[memoryview] | None) -> bytes:
 def dumps_whole(obj: Any) -> bytes:
     """``obj`` pickled whole (protocol 5, every buffer in band), a ``memoryview`` in it too.
 
-    Plain pickle first; the view-aware pickler only once plain pickle has
-    refused (see :func:`pickler`).
+    Plain pickle first; the view-aware pickler (:func:`pickler`) once it refused.
 
     Raises:
         BaseException: Whatever pickling ``obj`` raised (an object that cannot
