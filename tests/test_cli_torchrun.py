@@ -403,6 +403,11 @@ def test_error_file_holds_the_root_cause_in_torchruns_shape(tmp_path: Path) -> N
     callstack = message["extraInfo"]["py_callstack"]
     assert callstack.startswith("Traceback (most recent call last):")
     assert 'raise ValueError("cli: a bad shard")' in callstack
+    # The user's frames alone, as in the rank's own stderr: not the wrappers
+    # that ran the script, nor the rule that called them.
+    frames = [line for line in callstack.splitlines() if line.startswith("  File")]
+    assert frames, callstack
+    assert all(line.startswith(f'  File "{program("fail.py")}"') for line in frames), frames
 
 
 def test_error_file_copies_a_ranks_recorded_error(tmp_path: Path) -> None:

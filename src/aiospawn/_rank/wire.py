@@ -28,6 +28,7 @@ Part of the rank-side package: standard library only.
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import signal
 import struct
@@ -309,11 +310,20 @@ def describe(exc: BaseException) -> str:
 
 
 def from_fn(exc: BaseException) -> BaseException:
-    """``exc`` with its traceback starting in the code it was raised from.
+    """``exc`` with its traceback starting in the user's code.
 
     Called where ``exc`` was caught: the catching frame (``outcome.run_fn``,
-    a channel's ``serve()``) is ours, not the user's.
+    a channel's ``serve()``) is ours, not the user's, and so are the frames of
+    ``aiospawn run``'s wrappers around a script, a module or a function
+    (``programs``) between it and the user's code. Every leading frame of
+    this package goes; where every frame is ours (``fn`` could not be called
+    at all), the message is all there is.
     """
-    if exc.__traceback__ is not None and exc.__traceback__.tb_next is not None:
-        return exc.with_traceback(exc.__traceback__.tb_next)
-    return exc
+    tb = exc.__traceback__
+    while tb is not None and os.path.dirname(tb.tb_frame.f_code.co_filename) == _HERE:
+        tb = tb.tb_next
+    return exc.with_traceback(tb)
+
+
+#: This package's directory: a frame whose code lives here is the rank side's own.
+_HERE = os.path.dirname(__file__)
