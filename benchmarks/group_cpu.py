@@ -59,8 +59,8 @@ TICK = os.sysconf("SC_CLK_TCK")
 def stat(pid):
     if pid is None:  # not started yet: before a first group
         return [0] * 15
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
+    with open(f"/proc/{pid}/stat") as file:
+        fields = file.read().rsplit(")", 1)[1].split()
     # After the command's name: state 0, cminflt 8, utime 11, stime 12, cutime 13, cstime 14.
     return [0, *(int(field) for field in fields[1:15])]
 
@@ -144,9 +144,15 @@ def main() -> None:
     parser.add_argument("--warm", type=int, default=3)
     parser.add_argument("--groups", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--first", action="store_true", help="time each trial's first group")
+    parser.add_argument(
+        "--first",
+        action="store_true",
+        help="time each trial's first group (that is, --warm 0 --groups 1)",
+    )
     args = parser.parse_args()
     if args.first:
+        if (args.warm, args.groups) != (parser.get_default("warm"), parser.get_default("groups")):
+            parser.error("--first times one group, the first: it takes no --warm or --groups")
         args.warm, args.groups = 0, 1
     peers = ["aiospawn", "mp"]
     rows: dict[str, list[dict[str, float]]] = {peer: [] for peer in peers}
@@ -176,8 +182,9 @@ def main() -> None:
     print("| aiospawn / mp | " + " | ".join(ratio) + " |")
     what = "means" if args.first else "medians"
     print(
-        f"\n{what} of {args.rounds} trials per peer, {args.groups} timed groups of {args.nprocs}"
-        f" ranks each after {args.warm} untimed; load average (1 min)"
+        f"\n{what} of {args.rounds} trials per peer, {args.groups} timed"
+        f" group{'s' if args.groups != 1 else ''} of {args.nprocs} ranks each after"
+        f" {args.warm} untimed; load average (1 min)"
         f" {min(loads):.1f}-{max(loads):.1f}"
     )
 

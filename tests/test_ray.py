@@ -1129,16 +1129,19 @@ async def test_a_ray_rank_returns_memoryviews(cluster: LocalCluster) -> None:
             await ctx.channel(0).send(large)
             assert await ctx.join()
             [[received, own, grid]] = ctx.results
-        assert isinstance(received, memoryview)
-        assert received.tobytes() == large.tobytes()
-        assert received.readonly
-        assert own.tobytes() == b"own" * 10
-        assert (grid.format, grid.shape, grid.tolist()) == ("i", (2, 3), [[0, 1, 2], [3, 4, 5]])
-        with pytest.raises(ProcessRaisedException) as failed:
-            await aiospawn.start_processes(
-                shm_ranks.return_record_view, nprocs=1, backend=backend_for(cluster)
-            )
-        assert "cannot pickle a memoryview of format" in str(failed.value)
+    assert isinstance(received, memoryview)
+    assert received.tobytes() == large.tobytes()
+    assert received.readonly  # as sent: the flag is kept both ways
+    assert own.tobytes() == b"own" * 10
+    assert (grid.format, grid.shape, grid.tolist()) == ("i", (2, 3), [[0, 1, 2], [3, 4, 5]])
+    with (
+        tripwire(120, "a record view returned by a Ray rank"),
+        pytest.raises(ProcessRaisedException) as failed,
+    ):
+        await aiospawn.start_processes(
+            shm_ranks.return_record_view, nprocs=1, backend=backend_for(cluster)
+        )
+    assert "cannot pickle a memoryview of format" in str(failed.value)
 
 
 async def test_a_receive_cancelled_on_a_ray_rank_loses_nothing(cluster: LocalCluster) -> None:

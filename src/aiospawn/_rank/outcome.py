@@ -112,12 +112,14 @@ def run_fn(fn: Callable[..., Any] | Payload, rank: int, args: tuple[Any, ...], l
     """
     text = None
     terminated = False
+    entry = None  # an async def fn's code: below the event loop's frames
     try:
         try:
             if isinstance(fn, Payload):  # sent by value: unpickled now, after env
                 fn, args = fn.load()
             value = fn(rank, *args)
             if isinstance(value, Coroutine):  # an async def fn: run it on its own loop
+                entry = getattr(value, "cr_code", None)
                 # Imported only for one, and only here: the async main is a
                 # module of its own, which imports this one.
                 from .async_main import Terminated, run_coroutine
@@ -136,7 +138,7 @@ def run_fn(fn: Callable[..., Any] | Payload, rank: int, args: tuple[Any, ...], l
             text = str(exc.code)  # printed, as Python does for sys.exit("text")
     except BaseException as exc:
         # from_fn: the traceback starts in fn, not in this frame.
-        kind, payload, status = Kind.RAISED, encode_exception(from_fn(exc)), 1
+        kind, payload, status = Kind.RAISED, encode_exception(from_fn(exc, entry)), 1
     else:
         if terminated:
             return Ending(Kind.RAISED, b"", 1, ended_at, terminated=True)

@@ -39,6 +39,7 @@ from .views import dispatch_table
 # For the checker only: a rank never imports typing (the package's import rule).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from types import CodeType
     from typing import Any, Final
 
 
@@ -62,6 +63,9 @@ STACK_SIGNAL = signal.SIGRTMIN + 3
 #: ``os.closerange``): how ``fn`` ended is lost, and a status of 0 would read as
 #: success. (``timeout(1)`` and ``sysexits.h`` do not use it.)
 LOST_CHANNEL_STATUS = 86
+
+#: This package's directory: a frame whose code lives here is the rank side's own.
+_HERE = os.path.dirname(__file__)
 
 #: The size of a rank's heartbeat slot: a ``time.monotonic_ns()``, then a
 #: word the rank sets to 1 once it answers :data:`STACK_SIGNAL` (before, the
@@ -309,21 +313,30 @@ def describe(exc: BaseException) -> str:
         return f"<{type(exc).__qualname__}: str() failed>"
 
 
-def from_fn(exc: BaseException) -> BaseException:
+def from_fn(exc: BaseException, entry: CodeType | None = None) -> BaseException:
     """``exc`` with its traceback starting in the user's code.
 
     Called where ``exc`` was caught: the catching frame (``outcome.run_fn``,
     a channel's ``serve()``) is ours, not the user's, and so are the frames of
     ``aiospawn run``'s wrappers around a script, a module or a function
-    (``programs``) between it and the user's code. Every leading frame of
-    this package goes; where every frame is ours (``fn`` could not be called
-    at all), the message is all there is.
+    (``programs``) between it and the user's code: every leading frame of this
+    package goes. ``entry`` is the code the user's part starts with where
+    other frames come first (an ``async def fn``'s, below the event loop's):
+    the traceback starts at its frame, if it is there. Where every frame is
+    ours (``fn`` could not even be called), the innermost one stays, the line
+    that made the call.
     """
     tb = exc.__traceback__
-    while tb is not None and os.path.dirname(tb.tb_frame.f_code.co_filename) == _HERE:
+    if entry is not None:
+        start = tb
+        while start is not None and start.tb_frame.f_code is not entry:
+            start = start.tb_next
+        if start is not None:
+            return exc.with_traceback(start)
+    while tb is not None and tb.tb_next is not None and _is_ours(tb.tb_frame.f_code):
         tb = tb.tb_next
     return exc.with_traceback(tb)
 
 
-#: This package's directory: a frame whose code lives here is the rank side's own.
-_HERE = os.path.dirname(__file__)
+def _is_ours(code: CodeType) -> bool:
+    return os.path.dirname(code.co_filename) == _HERE

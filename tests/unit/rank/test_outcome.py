@@ -52,6 +52,10 @@ async def returns_later(rank: int, value: object) -> object:
     return value
 
 
+async def raises_later(rank: int) -> None:
+    raise LookupError(f"rank {rank} awaited in vain")
+
+
 async def stopped(rank: int) -> None:
     import asyncio
 
@@ -119,6 +123,24 @@ def test_a_raise_is_the_frame_with_a_traceback_that_starts_in_fn() -> None:
     assert type_name == "builtins.LookupError"
     assert first_frame(text).endswith(", in raises")  # no frame of ours above fn's
     assert "run_fn" not in text
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "trio"])
+def test_an_async_fns_raise_has_a_traceback_that_starts_in_fn(loop: str) -> None:
+    # Below the event loop's own frames, which are not the user's either.
+    ending = run_fn(raises_later, 1, (), loop)
+    exc, _, text = raised(ending)
+    assert isinstance(exc, LookupError)
+    assert first_frame(text).endswith(", in raises_later"), text
+    assert text.count('  File "') == 1, text
+
+
+def test_a_fn_that_cannot_be_called_keeps_the_line_that_called_it() -> None:
+    ending = run_fn(raises, 0, ("surplus",), "asyncio")
+    exc, _, text = raised(ending)
+    assert isinstance(exc, TypeError)
+    assert text.startswith("Traceback (most recent call last):\n"), text
+    assert first_frame(text).endswith(", in run_fn"), text
 
 
 def test_a_keyboard_interrupt_is_raised_like_any_exception() -> None:
