@@ -32,7 +32,15 @@ from accelerate.utils import patch_environment
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 import aiospawn.sync
-from tests.client_ranks import FAILING_RANK, FAILURE, describe, left_running, note_pid, report
+from tests.client_ranks import (
+    FAILING_RANK,
+    FAILURE,
+    describe,
+    left_running,
+    note_pid,
+    report,
+    write_note,
+)
 from tests.ddp_ranks import free_address
 
 
@@ -77,10 +85,10 @@ def failing_environment_check() -> None:
     forked rank with torch's "Cannot re-initialize CUDA in forked subprocess";
     here, on CPU, it fails with the same words for the CPU, and the rank's pid.
     accelerate calls it without the rank's index, so the rank notes its pid
-    (as :func:`note_pid` does) under its pid's name.
+    (as :func:`note_pid` does, whole or not at all) under its pid's name.
     """
     pid = os.getpid()
-    Path(os.environ[CHECK_DIR], f"check{pid}.pid").write_text(f"{pid} {int(os.getpgid(0) == pid)}")
+    write_note(Path(os.environ[CHECK_DIR], f"check{pid}.pid"))
     raise RuntimeError(f"Cannot re-initialize CPU in forked subprocess (pid {pid})")
 
 

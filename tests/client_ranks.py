@@ -52,8 +52,19 @@ def note_pid(directory: str, rank: int) -> None:
     And whether the rank leads its process group, as aiospawn's ranks do and
     torch's do not: the sign that aiospawn started it.
     """
-    leads = os.getpgid(0) == os.getpid()
-    pid_file(directory, rank).write_text(f"{os.getpid()} {int(leads)}")
+    write_note(pid_file(directory, rank))
+
+
+def write_note(path: Path) -> None:
+    """Write this process's pid and whether it leads its process group to ``path``, whole.
+
+    Written aside, then renamed: a rank stopped midway (its siblings failed
+    first) leaves no note, rather than an empty one.
+    """
+    pid = os.getpid()
+    aside = path.with_name(f".{path.name}.{pid}")
+    aside.write_text(f"{pid} {int(os.getpgid(0) == pid)}")
+    os.replace(aside, path)
 
 
 def left_running(directory: str, notes: str = "rank*.pid") -> list[int]:

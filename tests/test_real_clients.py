@@ -221,10 +221,11 @@ def test_accelerate_debug_mode_explains_a_failed_environment_check(tmp_path: Pat
         True,
         True,
     )
-    # Every rank failed the check; the reported rank is one of them, with the
-    # pid it had and its own error (each rank's message holds its pid).
+    # The reported rank is one that failed the check, with the pid it had and
+    # its own error (each rank's message holds its pid). The other failed it
+    # too, or was stopped first (a note is written whole or not at all).
     notes = [path.read_text().split() for path in tmp_path.glob("check*.pid")]
-    assert len(notes) == 2
+    assert len(notes) in (1, 2), notes
     assert all(leads == "1" for _, leads in notes), "a rank was not started by aiospawn"
     pids = [int(pid) for pid, _ in notes]
     assert cause["index"] in (0, 1)
