@@ -26,13 +26,10 @@ order. Prints the medians per checkout::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
-import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from harness import run_trial
 
 #: The trial, run as ``python -c``. argv: nprocs, MiB.
 TRIAL = """
@@ -82,22 +79,7 @@ print(json.dumps(result))
 
 def trial(src: str, nprocs: int, mib: int) -> dict[str, float | str]:
     """One fresh interpreter with ``src`` first on its path; its figures."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, HERE, env.get("PYTHONPATH")]))
-    done = subprocess.run(
-        [sys.executable, "-c", TRIAL, str(nprocs), str(mib)],
-        cwd=HERE,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"trial with {src} failed:\n{done.stderr}")
-    result: dict[str, float | str] = json.loads(done.stdout.splitlines()[-1])
-    if not str(result["file"]).startswith(os.path.abspath(src)):
-        raise RuntimeError(f"trial imported {result['file']}, not the checkout {src}")
+    result: dict[str, float | str] = run_trial(TRIAL, str(nprocs), str(mib), src=src)
     return result
 
 

@@ -38,11 +38,9 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
-import sys
 from functools import partial
 
-from harness import Measure, Peer, ScenarioResult, alternate
+from harness import Measure, Peer, ScenarioResult, alternate, run_trial
 
 NPROCS = 8
 START_METHODS = ("spawn", "forkserver", "fork")
@@ -51,7 +49,7 @@ GROUPS = 20
 
 #: The small parent. argv: peer, start method, number of ranks, anyio backend, groups.
 PROGRAM = """
-import statistics, sys, time
+import json, statistics, sys, time
 import workloads
 peer, method, nprocs, backend = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 count = int(sys.argv[5])
@@ -91,26 +89,15 @@ else:
         anyio.run(main, backend=backend)
     else:
         groups()
-print(times[0] * 1000, times[1] * 1000, statistics.median(times[10:20]) * 1000)
+print(json.dumps([times[0] * 1000, times[1] * 1000, statistics.median(times[10:20]) * 1000]))
 """
 
 
 def _small_parent(peer: str, method: str, backend: str) -> Measure:
     # Blocking, on the loop's thread: nothing else runs in this worker meanwhile.
-    here = os.path.dirname(os.path.abspath(__file__))
-    path = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
-    completed = subprocess.run(
-        [sys.executable, "-c", PROGRAM, peer, method, str(NPROCS), backend, str(GROUPS)],
-        cwd=here,
-        env={**os.environ, "PYTHONPATH": path},
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+    first, later, long_lived = run_trial(
+        PROGRAM, peer, method, str(NPROCS), backend, str(GROUPS), timeout=300
     )
-    if completed.returncode != 0:
-        raise RuntimeError(f"the small parent ({peer}, {method}) failed:\n{completed.stderr}")
-    first, later, long_lived = (float(word) for word in completed.stdout.split())
     return {
         "first group [ms]": first,
         "later group [ms]": later,

@@ -42,8 +42,6 @@ import statistics
 
 from harness import run_trial
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-
 #: The trial, run as ``python -c``. argv: peer, method, nprocs, groups, ticker, runner.
 TRIAL = """
 import json, resource, sys, time
@@ -140,8 +138,6 @@ def trial(args: argparse.Namespace, peer: str, method: str, src: str | None) -> 
     args_ += ["1" if args.ticker else "0", "asyncio" if args.asyncio_run else "anyio"]
     prefix = ["nice", "-n", str(args.nice)] if args.nice else []
     result: dict[str, object] = run_trial(TRIAL, *args_, src=src, prefix=prefix)
-    if src is not None and not str(result["file"]).startswith(os.path.abspath(src)):
-        raise RuntimeError(f"trial imported {result['file']}, not the checkout {src}")
     return result
 
 

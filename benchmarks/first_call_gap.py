@@ -32,8 +32,6 @@ import statistics
 
 from harness import run_trial
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-
 #: The trial, run as ``python -c``. argv: method, groups.
 TRIAL = """
 import json, sys, threading, time

@@ -44,8 +44,6 @@ import statistics
 
 from harness import run_trial
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-
 #: The trial, run as ``python -c``. argv: peer, nprocs, warm groups, timed groups.
 TRIAL = """
 import json, os, resource, sys, time

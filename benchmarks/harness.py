@@ -371,14 +371,23 @@ def trial_environment(src: str | None = None) -> dict[str, str]:
     return env
 
 
-def run_trial(program: str, *args: str, src: str | None = None, prefix: Sequence[str] = ()) -> Any:
+def run_trial(
+    program: str,
+    *args: str,
+    src: str | None = None,
+    prefix: Sequence[str] = (),
+    timeout: float = 600,
+) -> Any:
     """A fresh interpreter runs ``program`` (``python -c``) with ``args``; its last line, as JSON.
 
     In :func:`trial_environment` (``src`` first on ``PYTHONPATH``), from this
-    directory; ``prefix`` goes before the interpreter (``nice -n 10``).
+    directory; ``prefix`` goes before the interpreter (``nice -n 10``). With
+    ``src``, the trial's JSON object names the aiospawn it imported
+    (``"file"``: ``aiospawn.__file__``), which must be the checkout's.
 
     Raises:
-        RuntimeError: The trial failed; its stderr is in the message.
+        RuntimeError: The trial failed (its stderr is in the message), or
+            imported another aiospawn than ``src``'s.
     """
     import json
     import subprocess
@@ -390,9 +399,12 @@ def run_trial(program: str, *args: str, src: str | None = None, prefix: Sequence
         env=trial_environment(src),
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=timeout,
         check=False,
     )
     if done.returncode != 0:
         raise RuntimeError(f"trial {' '.join(args)} failed:\n{done.stderr}")
-    return json.loads(done.stdout.splitlines()[-1])
+    result = json.loads(done.stdout.splitlines()[-1])
+    if src is not None and not str(result["file"]).startswith(os.path.abspath(src)):
+        raise RuntimeError(f"trial imported {result['file']}, not the checkout {src}")
+    return result
