@@ -55,12 +55,17 @@ import anyio, aiospawn
 TICK = os.sysconf("SC_CLK_TCK")
 
 def stat(pid):
+    # A process's own CPU, its reaped children's and their page faults (zeros before it ran).
     if pid is None:  # not started yet: before a first group
-        return [0] * 15
+        return {"cpu": 0.0, "children": 0.0, "child_faults": 0}
     with open(f"/proc/{pid}/stat") as file:
         fields = file.read().rsplit(")", 1)[1].split()
-    # After the command's name: state 0, cminflt 8, utime 11, stime 12, cutime 13, cstime 14.
-    return [0, *(int(field) for field in fields[1:15])]
+    # After the command's name: cminflt 8, utime 11, stime 12, cutime 13, cstime 14.
+    return {
+        "cpu": (int(fields[11]) + int(fields[12])) / TICK,
+        "children": (int(fields[13]) + int(fields[14])) / TICK,
+        "child_faults": int(fields[8]),
+    }
 
 def pid_of(module, holder, attribute):
     # Read where the peer left it: importing the module here would import, before a
@@ -69,13 +74,13 @@ def pid_of(module, holder, attribute):
     return getattr(getattr(module, holder, None), attribute, None)
 
 def server():
-    fields = stat(pid_of("forkserver", "_forkserver", "_forkserver_pid"))
+    forks = stat(pid_of("forkserver", "_forkserver", "_forkserver_pid"))
     tracker = stat(pid_of("resource_tracker", "_resource_tracker", "_pid"))
     return {
-        "server": (fields[11] + fields[12]) / TICK,
-        "ranks": (fields[13] + fields[14]) / TICK,
-        "rank_faults": fields[8],
-        "tracker": (tracker[11] + tracker[12]) / TICK,
+        "server": forks["cpu"],
+        "ranks": forks["children"],
+        "rank_faults": forks["child_faults"],
+        "tracker": tracker["cpu"],
     }
 
 def me():

@@ -112,12 +112,12 @@ def end_at_once(status: int) -> NoReturn:
     ``multiprocessing``'s finalizers, which remove a fork server's temp dir,
     the streams flushed), not the interpreter's finalization. Its threads are
     not waited for: none of them runs a user's code, so none has a user's
-    work to finish. A call to
-    torch's rendezvous store that the launcher stopped waiting for
-    (:func:`._rounds.off_loop` leaves it in a daemon thread) may return during
-    the finalization; its thread then exits inside torch's C++ code, which
-    aborts the process (SIGABRT, "terminate called without an active
-    exception") after the job's report, and the node's status is lost.
+    work to finish. A call to torch's rendezvous store that the launcher
+    stopped waiting for (:func:`._rounds.off_loop` leaves it in a daemon
+    thread) may return during the finalization; its thread then exits inside
+    torch's C++ code, which aborts the process (SIGABRT, "terminate called
+    without an active exception") after the job's report, and the node's
+    status is lost.
 
     Args:
         status: The launcher's exit status.
