@@ -29,10 +29,17 @@ def leave_a_holder_then_exit(rank: int, report: Connection, go: Connection) -> N
         for _ in channel:  # until the supervisor closes the channel
             pass
         return
+    # The rank goes on only once the holder has left its process group:
+    # otherwise the rank's exit, and the group kill with it, could come first.
+    left, has_left = os.pipe()
     holder = os.fork()
     if holder == 0:  # pragma: no cover - the holder
         os.setsid()
+        os.write(has_left, b"!")
         sleep_forever(rank)
+    os.close(has_left)
+    os.read(left, 1)
+    os.close(left)
     report.send(holder)
     channel.send("before")
     go.recv()
