@@ -6,6 +6,7 @@ also the send storm that the local and the Ray channel tests both run.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import select
@@ -21,7 +22,7 @@ import psutil
 import pytest
 
 if TYPE_CHECKING:
-    from aiospawn import RankChannel
+    from aiospawn import AsyncProcessContext, RankChannel
 
 #: ``(reader, writer)``: the test reads the first end, the ranks write to the second.
 Events = tuple[Connection, Connection]
@@ -42,6 +43,19 @@ async def receive(reader: Connection, what: str, seconds: float = 30.0) -> Any:
     if not await anyio.to_thread.run_sync(reader.poll, seconds):
         pytest.fail(f"no {what} from the ranks within {seconds} s")
     return reader.recv()
+
+
+async def wait_exits_seen(ctx: AsyncProcessContext[Any], *ranks: int) -> None:
+    """Wait until the group's owner has seen ``ranks`` exit (nobody joins meanwhile)."""
+    import aiospawn
+
+    waiting = set(ranks)
+    async with contextlib.aclosing(ctx.events()) as events:
+        async for event in events:
+            if isinstance(event, aiospawn.Exited):
+                waiting.discard(event.rank)
+                if not waiting:
+                    return
 
 
 async def receive_ready(reader: Connection, nprocs: int) -> dict[int, int]:

@@ -122,6 +122,25 @@ def api_record_sigterm(rank: int, events: Any, ignore_sigterm: bool = False) -> 
     wait_for_signals(wake)
 
 
+def checkpoint_on_sigusr1(rank: int, events: Any, returning: int) -> str:
+    """Report each SIGUSR1 and return once a child in the rank's process group died of one.
+
+    The rank sends ``("ready", rank, pid)`` once its child runs, then
+    ``("SIGUSR1", rank)`` from its handler and ``("child", rank, returncode)``.
+    Rank ``returning`` returns at once.
+    """
+    import subprocess
+
+    if rank == returning:
+        return "returned"
+    signal.signal(signal.SIGUSR1, lambda signum, frame: events.send(("SIGUSR1", rank)))
+    # The child keeps SIGUSR1's default action: the signal ends it.
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    events.send(("ready", rank, os.getpid()))
+    events.send(("child", rank, child.wait()))
+    return "checkpointed"
+
+
 def api_fail_on_release(
     rank: int,
     failing: int,

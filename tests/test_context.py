@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import multiprocessing
 import signal
@@ -21,21 +20,11 @@ from tests.helpers import (
     receive,
     receive_ready,
     tripwire,
+    wait_exits_seen,
 )
 
 # Its subject is the glue between the group and the event loop: both loops.
 pytestmark = [pytest.mark.anyio, pytest.mark.both_loops]
-
-
-async def wait_exited(ctx: aiospawn.AsyncProcessContext[Any], *ranks: int) -> None:
-    """Wait until the group's owner has seen ``ranks`` exit (nobody joins meanwhile)."""
-    waiting = set(ranks)
-    async with contextlib.aclosing(ctx.events()) as events:
-        async for event in events:
-            if isinstance(event, aiospawn.Exited):
-                waiting.discard(event.rank)
-                if not waiting:
-                    return
 
 
 def aiospawn_records(caplog: pytest.LogCaptureFixture, level: int) -> list[str]:
@@ -243,7 +232,7 @@ async def test_terminate_reports_the_lowest_rank_it_stopped_not_one_that_returne
     )
     await receive_ready(reader, 2)
     release.set()
-    await wait_exited(ctx, 0)
+    await wait_exits_seen(ctx, 0)
 
     await ctx.terminate(grace_period=1)
 
@@ -260,7 +249,7 @@ async def test_terminate_after_every_rank_returned_leaves_join_true(
 ) -> None:
     caplog.set_level(logging.WARNING, logger="aiospawn")
     ctx = await aiospawn.start_processes(ranks.identity, ("done",), nprocs=2, join=False)
-    await wait_exited(ctx, 0, 1)
+    await wait_exits_seen(ctx, 0, 1)
 
     await ctx.terminate()
     await ctx.terminate()

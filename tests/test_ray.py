@@ -279,6 +279,19 @@ async def test_sigterm_runs_the_ranks_own_handler(cluster: LocalCluster) -> None
     assert info.value.exit_code == 7
 
 
+async def test_send_signal_is_refused_on_ray_and_the_group_goes_on(cluster: LocalCluster) -> None:
+    # The board carries only the SIGTERM of a stop: nothing else reaches a rank.
+    ctx = await start_ready(ray_ranks.handle_sigterm, 1, backend_for(cluster))
+    with pytest.raises(RuntimeError, match="cannot pass signals"):
+        ctx.send_signal(signal.SIGUSR1)
+    assert await ctx.join(timeout=0) is False
+    with tripwire(60, "terminate() of a Ray group"):
+        await ctx.terminate(grace_period=30)
+    with pytest.raises(ProcessExitedException) as info:
+        await ctx.join()
+    assert info.value.exit_code == 7  # its SIGTERM handler ran: the first signal it got
+
+
 async def test_cancellation_stops_the_group(cluster: LocalCluster) -> None:
     backend = backend_for(cluster, placement="SPREAD")
     async with ready_channel() as ready:

@@ -43,7 +43,7 @@ from aiospawn._core._shutdown import DEFAULT_GRACE_PERIOD
 from ._errorfile import ERROR_FILE_VAR, root_cause_error, write_root_cause
 from ._plan import error_file
 from ._report import Run, report, say
-from ._run import STOPPING, signal_running_ranks, start_group
+from ._run import STOPPING, start_group
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable
@@ -428,7 +428,7 @@ async def _pass_on(node: _Node, signum: int) -> None:
     """
     run = node.run
     if run.group is not None:
-        signal_running_ranks(run.group, signum)
+        run.group.send_signal(signum)
     grace = run.plan.grace_period
     await anyio.sleep(DEFAULT_GRACE_PERIOD if grace is None else grace)
     await node.stop(signum)

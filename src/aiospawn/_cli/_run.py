@@ -197,23 +197,6 @@ async def _take_signals(
 STOPPING = frozenset(int(getattr(signal, name)) for name in SHUTDOWN_SIGNALS)
 
 
-def signal_running_ranks(group: AsyncProcessContext[Any], signum: int) -> None:
-    """Send ``signum`` to the process group of every rank of ``group`` still running.
-
-    The library stops ranks (terminate()) but has no call that passes another
-    signal on, so the launcher sends it itself. Each local rank leads its
-    process group, which holds its --no-python program too; a rank still
-    "running" here has not been reaped by us, and no await comes between this
-    snapshot and the signal, so the pid is still the rank's (under forkserver
-    and --preload the rank's parent reaps it: there only a rank that exited
-    this very moment could be missed).
-    """
-    for rank in group.statistics().ranks:
-        if rank.state == "running" and rank.pid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(rank.pid, signum)
-
-
 async def _pass_on(run: Run, signum: int, ranks_scope: anyio.CancelScope) -> None:
     """Send ``signum`` to every running rank, give them the grace period, then stop them.
 
@@ -222,7 +205,7 @@ async def _pass_on(run: Run, signum: int, ranks_scope: anyio.CancelScope) -> Non
     """
     group = run.group
     if group is not None:
-        signal_running_ranks(group, signum)
+        group.send_signal(signum)
     grace = run.plan.grace_period
     with anyio.move_on_after(DEFAULT_GRACE_PERIOD if grace is None else grace):
         await run.done.wait()

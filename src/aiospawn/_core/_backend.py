@@ -10,8 +10,8 @@ local backend (``aiospawn._local``) runs ranks as child processes;
 A rank handle is one *attempt* at a rank: a restarted rank is a new handle
 in the same slot, made by the same launcher. :class:`RankHandle` is what
 every backend's handles do; what only some can do is a capability of its own
-(:class:`HasHeartbeats`, :class:`HasStacks`, :class:`HasProcess`), which the
-core checks for before it asks.
+(:class:`HasHeartbeats`, :class:`HasStacks`, :class:`HasProcess`,
+:class:`HasSignals`), which the core checks for before it asks.
 """
 
 from __future__ import annotations
@@ -169,6 +169,21 @@ class HasStacks(Protocol):
 
         None when the rank did not answer within ``patience`` seconds (it blocks
         every signal, or is stuck in the kernel) or the backend cannot ask.
+        """
+
+
+@runtime_checkable
+class HasSignals(Protocol):
+    """A rank handle that can pass any signal on to its rank (an optional capability)."""
+
+    def pass_signal(self, signum: int) -> bool:
+        """Send ``signum`` to the running rank: unlike :meth:`RankHandle.send_signal`, no stop.
+
+        The attempt is not marked as stopped by us: if the signal kills the
+        rank, that is the rank's failure.
+
+        Returns:
+            True if the signal was sent; False if the rank is not running.
         """
 
 

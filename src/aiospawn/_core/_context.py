@@ -10,11 +10,12 @@ as ``ProcessPoolExecutor`` sits in front of its manager thread in CPython's
 from __future__ import annotations
 
 import contextlib
+import signal
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from types import TracebackType
 from typing import Any, Generic, Self, TypeVar, final
 
-from ._backend import Backend, HasProcess
+from ._backend import Backend, HasProcess, HasSignals
 from ._capture import OutputLine
 from ._channel import RankChannel
 from ._events import Event, GroupStatistics
@@ -133,6 +134,36 @@ class AsyncProcessContext(Generic[T]):
     def statistics(self) -> GroupStatistics:
         """A snapshot: ranks alive, each rank's state, restarts, last exits, readiness."""
         return self._group.statistics()
+
+    def send_signal(self, signum: int) -> list[int]:
+        """Send ``signum`` to every rank still running; the group goes on.
+
+        For a signal the ranks act on: ``SIGUSR1`` to make them checkpoint
+        ahead of a preemption, as ``aiospawn run --signals-to-handle`` passes
+        it on. A local rank gets it with its process group, which holds the
+        processes it started (unless they left it). Ranks not started yet,
+        and ranks that have exited, are left alone. Nothing is stopped: a
+        rank that dies of the signal fails the group as any death does (to
+        stop ranks, use :meth:`terminate`).
+
+        Returns:
+            The ranks the signal was sent to, in rank order.
+
+        Raises:
+            TypeError: ``signum`` is not an ``int`` (``signal.SIGUSR1`` is one).
+            ValueError: ``signum`` is not a signal of this platform.
+            RuntimeError: The backend cannot signal its ranks (Ray); nothing
+                was sent.
+        """
+        if isinstance(signum, bool) or not isinstance(signum, int):
+            raise TypeError(f"signum must be a signal number (signal.SIGUSR1), got {signum!r}")
+        if signum not in signal.valid_signals():
+            raise ValueError(f"{signum} is not a signal number of this platform")
+        attempts = self._group.attempts
+        ranks = [rank for rank in attempts if isinstance(rank, HasSignals)]
+        if len(ranks) < len(attempts):
+            raise RuntimeError("this group's backend cannot pass signals to its ranks")
+        return [rank.rank for rank in ranks if rank.pass_signal(signum)]
 
     def channel(self, rank: int) -> RankChannel:
         """The channel to rank ``rank`` (its current attempt): an anyio object stream.

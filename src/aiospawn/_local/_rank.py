@@ -239,8 +239,28 @@ class LocalRank:
         # are in its tree while it lives (it is their subreaper); pinned first,
         # since once the rank dies of this signal they are re-parented away.
         outside, inside = descendants.pin_descendants(pid, group=pid)
+        self._signal_group(pid, signum)
+        descendants.signal_pinned(outside, signum)  # killpg reached the others
+        descendants.close_pinned(self._strays)
+        self._strays = outside + inside
+        return True
+
+    def pass_signal(self, signum: int) -> bool:
+        """Send ``signum`` to the running rank and its process group; it is not stopped by us.
+
+        Returns:
+            True if the signal was sent; False if the rank is not running.
+        """
+        if not self._started or self.poll() is not None:
+            return False
+        pid = self.process.pid
+        assert pid is not None
+        self._signal_group(pid, signum)
+        return True
+
+    def _signal_group(self, pid: int, signum: int) -> None:
         try:
-            # The rank leads its own process group (see _child), which holds
+            # The rank leads its own process group (see _rank.process), which holds
             # the children it started too. The group cannot belong to anyone
             # else: the rank is not reaped, so nobody else has its pid.
             os.killpg(pid, signum)
@@ -250,10 +270,6 @@ class LocalRank:
                     signal.pidfd_send_signal(self._pidfd, signum)
                 else:
                     os.kill(pid, signum)
-        descendants.signal_pinned(outside, signum)  # killpg reached the others
-        descendants.close_pinned(self._strays)
-        self._strays = outside + inside
-        return True
 
     def last_beat(self) -> float | None:
         """``time.monotonic()`` of the rank's last heartbeat, or None if none yet."""
