@@ -179,8 +179,10 @@ class HasSignals(Protocol):
     def pass_signal(self, signum: int) -> bool:
         """Send ``signum`` to the running rank: unlike :meth:`RankHandle.send_signal`, no stop.
 
-        The attempt is not marked as stopped by us: if the signal kills the
-        rank, that is the rank's failure.
+        What ``AsyncProcessContext.send_signal()`` calls (the handle's own
+        ``send_signal`` is the stop). The attempt is not marked as stopped by
+        us: if the signal kills the rank, that is the rank's failure. Reaps
+        and reads nothing: the owner does.
 
         Returns:
             True if the signal was sent; False if the rank is not running.

@@ -144,21 +144,33 @@ class AsyncProcessContext(Generic[T]):
         processes it started (unless they left it). Ranks not started yet,
         and ranks that have exited, are left alone. Nothing is stopped: a
         rank that dies of the signal fails the group as any death does (to
-        stop ranks, use :meth:`terminate`).
+        stop ranks, use :meth:`terminate`). So does a rank that has not
+        installed its handler yet, where the signal's default action ends
+        the process (``SIGUSR1``'s does): install it before ``aiospawn.ready()``
+        and call :meth:`wait_ready` first.
 
         Returns:
             The ranks the signal was sent to, in rank order.
 
         Raises:
-            TypeError: ``signum`` is not an ``int`` (``signal.SIGUSR1`` is one).
-            ValueError: ``signum`` is not a signal of this platform.
+            TypeError: ``signum`` is not an ``int`` (``signal.SIGUSR1`` is
+                one; a ``bool`` is refused).
+            ValueError: ``signum`` is not a signal of this platform, or is
+                ``SIGKILL`` or ``SIGSTOP``, which no rank can act on (to stop
+                ranks, use :meth:`terminate`). Nothing was sent.
             RuntimeError: The backend cannot signal its ranks (Ray); nothing
                 was sent.
         """
         if isinstance(signum, bool) or not isinstance(signum, int):
             raise TypeError(f"signum must be a signal number (signal.SIGUSR1), got {signum!r}")
         if signum not in signal.valid_signals():
-            raise ValueError(f"{signum} is not a signal number of this platform")
+            raise ValueError(f"{signum!r} is not a signal number here; see signal.valid_signals()")
+        if signum in (signal.SIGKILL, signal.SIGSTOP):
+            name = signal.Signals(signum).name
+            raise ValueError(
+                f"send_signal() passes on signals the ranks can act on, not {name};"
+                " to stop the ranks, use terminate()"
+            )
         attempts = self._group.attempts
         ranks = [rank for rank in attempts if isinstance(rank, HasSignals)]
         if len(ranks) < len(attempts):

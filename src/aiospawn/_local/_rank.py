@@ -248,10 +248,21 @@ class LocalRank:
     def pass_signal(self, signum: int) -> bool:
         """Send ``signum`` to the running rank and its process group; it is not stopped by us.
 
+        Reads, reaps and records nothing (the owner does). The rank runs
+        until its pidfd says it exited, which comes before anyone (we, a fork
+        server, a template) can reap it and free its pid.
+
         Returns:
             True if the signal was sent; False if the rank is not running.
         """
-        if not self._started or self.poll() is not None:
+        if not self._started or self._exit is not None:
+            return False
+        # Without a pidfd (Linux < 5.3), the exit descriptor: under forkserver
+        # and warm starts it is readable only once the rank's parent reaped it.
+        ends = self._pidfd if self._pidfd is not None else self._exit_fd
+        poller = select.poll()
+        poller.register(ends, select.POLLIN)
+        if poller.poll(0):
             return False
         pid = self.process.pid
         assert pid is not None
@@ -260,9 +271,11 @@ class LocalRank:
 
     def _signal_group(self, pid: int, signum: int) -> None:
         try:
-            # The rank leads its own process group (see _rank.process), which holds
-            # the children it started too. The group cannot belong to anyone
-            # else: the rank is not reaped, so nobody else has its pid.
+            # The rank leads its own process group (see _rank.process), which
+            # holds the children it started too. The caller saw the rank
+            # running: under spawn and fork it is not reaped (we reap it), so
+            # nobody else has its pid or group id; where a fork server or a
+            # template reaps it, only in the microseconds since that check.
             os.killpg(pid, signum)
         except ProcessLookupError:  # not a group leader yet: it is still starting
             with contextlib.suppress(ProcessLookupError):
