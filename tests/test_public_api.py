@@ -265,6 +265,32 @@ def test_a_first_call_imports_the_supervisor_off_the_loop(runner: str, start_met
     assert not ours_or_heavy, f"imported on the loop's thread: {sorted(ours_or_heavy)}"
 
 
+def test_a_first_call_hands_the_gil_over_quickly_while_it_imports_then_restores_it() -> None:
+    # The import runs on a thread: with the default 5 ms switch interval, the
+    # loop waited up to that for the GIL at every wake-up meanwhile.
+    code = (
+        "import json, operator, sys, threading, asyncio, aiospawn\n"
+        "sys.setswitchinterval(0.004)  # the program's own\n"
+        "main, during = threading.get_ident(), set()\n"
+        "class Spy:\n"
+        "    @staticmethod\n"
+        "    def find_spec(name, path=None, target=None):\n"
+        "        if threading.get_ident() != main and name.startswith('aiospawn.'):\n"
+        "            during.add(sys.getswitchinterval())\n"
+        "async def first_group():\n"
+        "    sys.meta_path.insert(0, Spy)\n"
+        "    try:\n"
+        "        assert await aiospawn.start_processes(operator.neg, nprocs=2) == [0, -1]\n"
+        "    finally:\n"
+        "        sys.meta_path.remove(Spy)\n"
+        "asyncio.run(first_group())\n"
+        "print(json.dumps({'during': sorted(during), 'after': sys.getswitchinterval()}))\n"
+    )
+    seen = printed_json(code)
+    assert seen["during"] == [pytest.approx(0.001)]
+    assert seen["after"] == pytest.approx(0.004)
+
+
 def test_the_core_imports_no_backend_and_no_rank_bootstrap() -> None:
     core = sorted(
         f"aiospawn._core.{path.stem}"
