@@ -13,7 +13,7 @@ import os
 import signal
 
 from aiospawn._core._env import visible_devices
-from aiospawn._core._spec import check_seconds
+from aiospawn._core._spec import UNCATCHABLE_SIGNALS, check_seconds
 
 __all__ = [
     "STREAM_MODES",
@@ -94,7 +94,7 @@ def signal_list(text: str) -> list[signal.Signals]:
         if name and not name.startswith("SIG"):
             name = "SIG" + name
         value = getattr(signal, name, None)
-        if not isinstance(value, signal.Signals) or value in (signal.SIGKILL, signal.SIGSTOP):
+        if not isinstance(value, signal.Signals) or value in UNCATCHABLE_SIGNALS:
             raise argparse.ArgumentTypeError(
                 f"wants signal names such as SIGTERM,SIGUSR1 (not SIGKILL or SIGSTOP),"
                 f" got {item.strip()!r}"

@@ -10,7 +10,6 @@ as ``ProcessPoolExecutor`` sits in front of its manager thread in CPython's
 from __future__ import annotations
 
 import contextlib
-import signal
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from types import TracebackType
 from typing import Any, Generic, Self, TypeVar, final
@@ -21,7 +20,7 @@ from ._channel import RankChannel
 from ._events import Event, GroupStatistics
 from ._group import Group
 from ._policy import Supervision
-from ._spec import LaunchSpec, check_seconds
+from ._spec import LaunchSpec, check_seconds, check_signal
 
 __all__ = ["AsyncProcessContext", "group_of"]
 
@@ -161,16 +160,7 @@ class AsyncProcessContext(Generic[T]):
             RuntimeError: The backend cannot signal its ranks (Ray); nothing
                 was sent.
         """
-        if isinstance(signum, bool) or not isinstance(signum, int):
-            raise TypeError(f"signum must be a signal number (signal.SIGUSR1), got {signum!r}")
-        if signum not in signal.valid_signals():
-            raise ValueError(f"{signum!r} is not a signal number here; see signal.valid_signals()")
-        if signum in (signal.SIGKILL, signal.SIGSTOP):
-            name = signal.Signals(signum).name
-            raise ValueError(
-                f"send_signal() passes on signals the ranks can act on, not {name};"
-                " to stop the ranks, use terminate()"
-            )
+        check_signal(signum)
         attempts = self._group.attempts
         ranks = [rank for rank in attempts if isinstance(rank, HasSignals)]
         if len(ranks) < len(attempts):

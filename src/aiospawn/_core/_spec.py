@@ -23,6 +23,7 @@ import importlib.util
 import inspect
 import math
 import os
+import signal
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeAlias
@@ -363,6 +364,29 @@ def check_environment(env: Mapping[Any, Any], source: str) -> None:
                 f"{source}[{name!r}] holds a NUL character, which no environment value can:"
                 f" {text!r}"
             )
+
+
+#: The signals no process can catch, block or ignore: nothing there can act on them.
+UNCATCHABLE_SIGNALS = frozenset({signal.SIGKILL, signal.SIGSTOP})
+
+
+def check_signal(signum: object) -> None:
+    """Raise unless ``signum`` is a signal the ranks could act on (``send_signal()``'s argument).
+
+    Raises:
+        TypeError: ``signum`` is not an ``int`` (a ``bool`` is refused).
+        ValueError: ``signum`` is not a signal of this platform, or is one
+            of :data:`UNCATCHABLE_SIGNALS`.
+    """
+    if isinstance(signum, bool) or not isinstance(signum, int):
+        raise TypeError(f"signum must be a signal number (signal.SIGUSR1), got {signum!r}")
+    if signum not in signal.valid_signals():
+        raise ValueError(f"{signum!r} is not a signal number here; see signal.valid_signals()")
+    if signum in UNCATCHABLE_SIGNALS:
+        raise ValueError(
+            f"send_signal() passes on signals the ranks can act on, not"
+            f" {signal.Signals(signum).name}; to stop the ranks, use terminate()"
+        )
 
 
 def check_seconds(

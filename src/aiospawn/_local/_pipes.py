@@ -10,6 +10,7 @@ forked and closes those it does not own (see the rank bootstrap).
 from __future__ import annotations
 
 import os
+import select
 
 import anyio
 
@@ -31,6 +32,17 @@ def held() -> dict[int, tuple[int, int]]:
     Handed to ``fork`` ranks as it is: the fork copies it at the moment it happens.
     """
     return _held
+
+
+def readable(fd: int) -> bool:
+    """True if ``fd`` can be read now, or was closed meanwhile (``POLLNVAL``); never waits.
+
+    A pidfd is readable once its process has exited, a sentinel once the
+    process that reaps it has.
+    """
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def close(fd: int) -> None:

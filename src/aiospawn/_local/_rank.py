@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import multiprocessing.process
 import os
-import select
 import signal
 import time
 from multiprocessing.process import BaseProcess
@@ -169,9 +168,7 @@ class LocalRank:
             return True
         if not self._started or self._exit_fd < 0:
             return False
-        poller = select.poll()
-        poller.register(self._exit_fd, select.POLLIN)
-        return bool(poller.poll(0))
+        return _pipes.readable(self._exit_fd)
 
     def poll(self) -> RankExit | None:
         """Make progress without waiting: read what the rank sent, reap it if it exited."""
@@ -259,10 +256,7 @@ class LocalRank:
             return False
         # Without a pidfd (Linux < 5.3), the exit descriptor: under forkserver
         # and warm starts it is readable only once the rank's parent reaped it.
-        ends = self._pidfd if self._pidfd is not None else self._exit_fd
-        poller = select.poll()
-        poller.register(ends, select.POLLIN)
-        if poller.poll(0):
+        if _pipes.readable(self._pidfd if self._pidfd is not None else self._exit_fd):
             return False
         pid = self.process.pid
         assert pid is not None
