@@ -32,6 +32,7 @@ import aiospawn
 from aiospawn._local import _template, _templates
 from tests import ranks, warm_ranks
 from tests.helpers import (
+    Events,
     ImportGate,
     is_gone,
     is_reaped,
@@ -95,6 +96,46 @@ async def join_after_killing_the_template(
         await ctx.join()
     assert info.value.signal_name == "SIGKILL"
     assert f"its warm-start template (pid {template}) died while it ran" in info.value.msg
+
+
+@contextlib.contextmanager
+def descriptors_past(number: int) -> Iterator[None]:
+    """Hold open descriptors up to ``number``, so that the next ones opened are numbered past it."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = number + 512
+    if soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(wanted, hard), hard))
+    held = []
+    try:
+        while not held or held[-1] < number:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        yield
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+async def test_a_warm_ranks_process_joins_while_the_supervisor_holds_descriptors_past_1024(
+    events: Events,
+) -> None:
+    # select() refuses descriptors numbered 1024 and up; a service holds that many.
+    reader, writer = events
+    with descriptors_past(1100):
+        ctx = await aiospawn.start_processes(
+            warm_ranks.ready_then_wait, (writer,), nprocs=2, preload=["json"], join=False
+        )
+        await receive_ready(reader, 2)
+        process = ctx.processes[0]
+        assert process.sentinel > 1024  # the descriptor join() waits on
+        process.join(0.05)  # still running: returns after the timeout
+        assert process.exitcode is None
+        await ctx.terminate(grace_period=10)
+        with tripwire(30, "join() of a stopped warm rank"):
+            await anyio.to_thread.run_sync(process.join, 30)
+        assert process.exitcode == -signal.SIGTERM
 
 
 async def test_a_preloaded_module_is_imported_once_and_every_rank_has_it(

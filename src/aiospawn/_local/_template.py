@@ -333,9 +333,13 @@ class Template:
         # (or sentinel) says so at once when no rank holds it.
         assert self.process is not None
         death = self._pidfd if self._pidfd is not None else self.process.sentinel
+        # poll, not select: select() refuses descriptors numbered 1024 and up.
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLIN)
+        poller.register(death, select.POLLIN)
         data = b""
         while len(data) < size:
-            ready, _, _ = select.select([sock.fileno(), death], [], [])
+            ready = {fd for fd, _ in poller.poll()}
             if sock.fileno() not in ready:
                 raise EOFError("the template exited")
             chunk = sock.recv(size - len(data))

@@ -12,6 +12,7 @@ holds the rank's lease on its template until its exit is recorded.
 from __future__ import annotations
 
 import contextlib
+import math
 import multiprocessing
 import multiprocessing.context
 import multiprocessing.process
@@ -93,11 +94,11 @@ class _StatusChannel:
 
     def exited(self) -> bool:
         """True once the rank's process has exited (whoever reaps it)."""
-        return self.pidfd is None or _readable(self.pidfd)
+        return self.pidfd is None or _pipes.readable(self.pidfd)
 
     def template_died(self) -> bool:
         """True once the template has exited: then no status comes that is not queued already."""
-        return self._template_death is not None and _readable(self._template_death)
+        return self._template_death is not None and _pipes.readable(self._template_death)
 
     def close(self) -> None:
         """Release both ends. Idempotent."""
@@ -116,14 +117,6 @@ class _StatusChannel:
         if self.pidfd is not None:
             _pipes.close(self.pidfd)
             self.pidfd = None
-
-
-def _readable(fd: int) -> bool:
-    try:
-        ready, _, _ = select.select([fd], [], [], 0)
-    except OSError:  # closed meanwhile by another thread: the exit has been recorded
-        return True
-    return bool(ready)
 
 
 def _dumps(obj: object) -> bytes:
@@ -244,9 +237,12 @@ class WarmProcess:
         # After end-of-file, or once the template died, the sentinel is
         # always readable: wait for the process itself instead.
         orphaned = channel.eof or channel.template_died()
-        watched = [channel.pidfd] if orphaned and channel.pidfd is not None else [channel.sentinel]
+        watched = channel.pidfd if orphaned and channel.pidfd is not None else channel.sentinel
+        # poll, not select: select() refuses descriptors numbered 1024 and up.
+        poller = select.poll()
+        poller.register(watched, select.POLLIN)
         with contextlib.suppress(InterruptedError):
-            select.select(watched, [], [], timeout)
+            poller.poll(None if timeout is None else math.ceil(max(timeout, 0) * 1000))
         self.exitcode  # noqa: B018  (reads the status if it came)
 
     def close(self) -> None:
